@@ -1,0 +1,39 @@
+"""Command-line plumbing shared by the jaxgpt commands: one-line errors and exit codes.
+
+Exit codes (documented in the README):
+    0  success
+    2  bad input the user can fix (config, mesh, data, ...): one `error: ...` line on stderr
+    3  training stopped because the loss became non-finite
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from jaxgpt.errors import UserError
+
+EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED = 0, 2, 3
+
+
+class Diverged(UserError):
+    """The loss became NaN or inf; the run stops without saving the broken state."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
+
+
+def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:
+    """Runs a command, turning a UserError into one stderr line and its exit code."""
+    try:
+        fn(argv)
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_DIVERGED
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    return EXIT_OK

@@ -1,0 +1,277 @@
+"""Typed configuration: defaults in dataclasses, differences in YAML, last words on the command line.
+
+A run's config is built in three layers, each checked against the dataclasses below:
+
+    defaults (this file)  <-  configs/NAME.yaml (only what differs)  <-  section.key=value overrides
+
+Every field carries a one-line `doc`; `--help` prints them all. An unknown key or a value of the
+wrong type raises `UserError` naming the key and the nearest valid spelling, before JAX compiles
+anything. Checks that need the device count (mesh product, divisibility by mesh axes) live in
+`validate`, also run before compilation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxgpt.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = "shakespeare"
+VOCAB_MULTIPLE = 128  # the embedding/head is padded to this; the padding never gets probability
+
+
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = _f(4, "transformer blocks")
+    n_head: int = _f(4, "attention heads per block")
+    n_embd: int = _f(128, "model width D (n_head must divide it)")
+    seq_len: int = _f(128, "context length T in tokens (also the number of position embeddings)")
+    vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model")
+    dtype: str = _f("auto", "compute dtype (parameters stay fp32): auto = bfloat16 on GPU/TPU, float32 on CPU",
+                    ("auto", "float32", "bfloat16"))
+    attention: str = _f("xla", "attention kernel", ("xla",))
+
+    @property
+    def padded_vocab(self) -> int:
+        return math.ceil(self.vocab_size / VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = _f("shakespeare", "'shakespeare' (bundled, prepared on first use) or a dir made by python -m jaxgpt.prepare")
+    num_threads: int = _f(2, "Grain reader threads per process")
+    prefetch: int = _f(4, "batches Grain prepares ahead of the device")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = _f(1e-3, "peak learning rate (after warmup)")
+    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of lr")
+    warmup_steps: int = _f(20, "linear warmup steps from 0 to lr")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay, applied to weight matrices and embeddings only")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip gradients to this global norm (0 disables)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps to train")
+    batch_size: int = _f(16, "global batch in sequences per optimizer step (all devices, all micro-batches)")
+    grad_accum: int = _f(1, "micro-batches per optimizer step; batch_size / grad_accum sequences each")
+    seed: int = _f(0, "seed for parameters and data order")
+    eval_every: int = _f(50, "evaluate val loss every N steps (and at the first and last step); 0 disables")
+    eval_batches: int = _f(4, "fixed val batches (of batch_size sequences) per evaluation")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave")
+    fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above")
+    tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above")
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    every: int = _f(10, "log train metrics every N steps")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass ('model' -> ModelConfig, ...)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(Config)}
+
+
+def all_keys() -> dict[str, dataclasses.Field]:
+    """Every valid dotted key ('model.n_layer', ...) with its dataclass field."""
+    return {f"{s}.{f.name}": f for s, cls in sections().items() for f in dataclasses.fields(cls)}
+
+
+def _nearest(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
+    """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
+    want = type(f.default)
+    value = yaml.safe_load(raw) if isinstance(raw, str) and want is not str else raw
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if type(value) is not want:
+        raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {raw!r}")
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}{_nearest(value, choices)}")
+    return value
+
+
+def _apply(cfg: Config, flat: dict[str, Any], source: str) -> Config:
+    keys = all_keys()
+    updates: dict[str, dict[str, Any]] = {}
+    for key, raw in flat.items():
+        if key not in keys:
+            raise UserError(f"unknown config key '{key}' in {source}{_nearest(key, keys)}")
+        section, name = key.split(".", 1)
+        updates.setdefault(section, {})[name] = _coerce(key, raw, keys[key])
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in updates.items()})
+
+
+def _flatten_yaml(tree: Any, source: str) -> dict[str, Any]:
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise UserError(f"{source} must hold sections such as 'model:' and 'train:', not a {type(tree).__name__}")
+    flat = {}
+    for section, body in tree.items():
+        if not isinstance(body, dict):
+            raise UserError(f"section '{section}' in {source} must map keys to values"
+                            f"{_nearest(str(section), sections())}")
+        for k, v in body.items():
+            flat[f"{section}.{k}"] = v
+    return flat
+
+
+def resolve_config_path(name_or_path: str | None) -> Path:
+    if name_or_path is None:
+        name_or_path = DEFAULT_CONFIG
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        bundled = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise UserError(f"config file '{name_or_path}' not found (bundled configs: {', '.join(bundled)})")
+    return path
+
+
+def load_config(config: str | None = None, overrides: list[str] = (), mesh: str | None = None) -> Config:
+    """Defaults <- YAML file <- `--mesh` <- `section.key=value` overrides."""
+    cfg = Config()  # the defaults are the shakespeare run, so it works without configs/ too
+    if config is not None or (CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml").is_file():
+        path = resolve_config_path(config)
+        try:
+            tree = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        cfg = _apply(cfg, _flatten_yaml(tree, str(path)), str(path))
+    if mesh is not None:
+        cfg = _apply(cfg, parse_mesh(mesh), "--mesh")
+    flat = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"override '{item}' is not of the form section.key=value")
+        flat[key.strip()] = value
+    return _apply(cfg, flat, "the command line")
+
+
+def parse_mesh(spec: str) -> dict[str, str]:
+    """'dp=2,tp=4' -> {'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.tp': '4'}: axes not named are 1."""
+    axes = [f.name for f in dataclasses.fields(MeshConfig)]
+    out = {f"mesh.{a}": "1" for a in axes}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep:
+            raise UserError(f"--mesh '{spec}': '{part}' is not of the form axis=size (axes: {', '.join(axes)})")
+        if name not in axes:
+            raise UserError(f"--mesh '{spec}': unknown axis '{name}'{_nearest(name, axes)} (axes: {', '.join(axes)})")
+        out[f"mesh.{name}"] = size
+    return out
+
+
+def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
+    """Resolve -1 and check that the axes multiply to the device count."""
+    sizes = dataclasses.asdict(mesh)
+    free = [a for a, s in sizes.items() if s == -1]
+    if len(free) > 1:
+        raise UserError(f"mesh: only one axis may be -1, got {', '.join(free)}")
+    bad = [a for a, s in sizes.items() if s == 0 or s < -1]
+    if bad:
+        raise UserError(f"mesh: axis '{bad[0]}' has size {sizes[bad[0]]}; sizes are positive (or -1 for the rest)")
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if free:
+        if n_devices % fixed:
+            raise UserError(f"mesh: the fixed axes multiply to {fixed}, which does not divide the {n_devices} devices")
+        sizes[free[0]] = n_devices // fixed
+    if math.prod(sizes.values()) != n_devices:
+        layout = ",".join(f"{a}={s}" for a, s in sizes.items())
+        raise UserError(f"mesh {layout} has {math.prod(sizes.values())} devices but {n_devices} are available")
+    return sizes
+
+
+def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) -> dict[str, int]:
+    """Every check that can fail before compilation; returns the resolved mesh shape."""
+    m, t, o = cfg.model, cfg.train, cfg.optimizer
+    sizes = mesh_shape(cfg.mesh, n_devices)
+    positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
+                "model.seq_len": m.seq_len, "model.vocab_size": m.vocab_size, "train.steps": t.steps,
+                "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
+                "train.eval_batches": t.eval_batches, "logging.every": cfg.logging.every,
+                "data.num_threads": cfg.data.num_threads}
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"{key} must be positive, got {value}")
+    if t.eval_every < 0 or o.warmup_steps < 0 or cfg.data.prefetch < 0:
+        raise UserError("train.eval_every, optimizer.warmup_steps and data.prefetch must not be negative")
+    if not o.lr > 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0 or o.weight_decay < 0:
+        raise UserError("optimizer: lr must be > 0, min_lr_ratio in [0, 1], grad_clip and weight_decay >= 0")
+    if m.n_embd % m.n_head:
+        raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
+    if t.batch_size % t.grad_accum:
+        raise UserError(f"train.grad_accum={t.grad_accum} does not divide train.batch_size={t.batch_size}")
+    micro, batch_ways = t.batch_size // t.grad_accum, sizes["dp"] * sizes["fsdp"]
+    if micro % batch_ways:
+        raise UserError(f"the micro-batch of {micro} sequences (train.batch_size / train.grad_accum) "
+                        f"does not split over dp x fsdp = {batch_ways} devices")
+    if m.n_head % sizes["tp"]:
+        raise UserError(f"model.n_head={m.n_head} is not divisible by the tp axis ({sizes['tp']})")
+    if m.padded_vocab % sizes["tp"] or (4 * m.n_embd) % sizes["tp"]:
+        raise UserError(f"tp={sizes['tp']} must divide the padded vocabulary ({m.padded_vocab}) "
+                        f"and the MLP width ({4 * m.n_embd})")
+    if m.n_embd % sizes["fsdp"]:
+        raise UserError(f"fsdp={sizes['fsdp']} must divide model.n_embd={m.n_embd}")
+    if data_vocab_size is not None and data_vocab_size > m.vocab_size:
+        raise UserError(f"the data's tokenizer has {data_vocab_size} tokens but model.vocab_size is "
+                        f"{m.vocab_size}; raise model.vocab_size to at least {data_vocab_size}")
+    return sizes
+
+
+def help_text() -> str:
+    lines = ["config keys (set in a YAML file or as section.key=value):"]
+    for key, f in all_keys().items():
+        choices = f.metadata.get("choices")
+        extra = f" [{'|'.join(choices)}]" if choices and len(choices) > 1 else ""
+        lines.append(f"  {key:<26} = {f.default!s:<12} {f.metadata['doc']}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""The device mesh and the one sharding table.
+
+Mesh axes
+---------
+    dp    data parallel: the batch is split, parameters are replicated, gradients all-reduced.
+    fsdp  ZeRO-3: the batch is split *and* every parameter (so its gradient and its AdamW moments)
+          is split along its `embed` dimension; XLA all-gathers a weight just before use and
+          reduce-scatters its gradient.
+    tp    Megatron tensor parallelism: attention heads, the MLP hidden units and the vocabulary are
+          split, so QKV / MLP-in are column-parallel and attention-out / MLP-out row-parallel.
+
+Auto, not Explicit, axes
+------------------------
+`jax.make_mesh` makes Explicit axes by default since JAX 0.10 (sharding in types: every op must
+be told how its output is sharded). jaxgpt uses `AxisType.Auto`, the GSPMD style: we annotate
+parameters (via `jit` in/out shardings) and a few activations (`shard` below), and XLA's sharding
+propagation chooses the rest and inserts the all-reduces, all-gathers and reduce-scatters. The
+model code stays free of per-op sharding arguments, one table decides the layout, and the tests
+read the compiled HLO to check that XLA chose the collectives each layout implies.
+
+The table
+---------
+Parameters and activations carry *logical* axis names; `RULES` maps each to mesh axes. Parameter
+names and activation names differ on purpose: a parameter's `embed` dimension is split over fsdp
+(ZeRO-3) while an activation's batch dimension already uses fsdp, so its `act_embed` stays whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("dp", "fsdp", "tp")
+
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    # parameters
+    "vocab": "tp",          # rows of the tied embedding / output head
+    "embed": "fsdp",        # the model width D of every weight: ZeRO-3
+    "heads": "tp",          # attention heads in QKV and attention-out
+    "mlp": "tp",            # MLP hidden units F
+    "pos": None,            # rows of the position embedding
+    "qkv": None,            # the 3 of q, k, v
+    "head_dim": None,
+    "layers": None,         # the stacked-layers axis of the scanned blocks
+    # activations
+    "batch": ("dp", "fsdp"),
+    "seq": None,
+    "act_embed": None,
+    "act_heads": "tp",
+    "act_mlp": "tp",
+    "act_vocab": "tp",
+}
+
+
+def logical_to_spec(axes: Sequence[str | None]) -> P:
+    """('batch', 'seq', 'act_embed') -> P(('dp', 'fsdp'), None, None), refusing double use of an axis."""
+    used: dict[str, str] = {}
+    spec = []
+    for name in axes:
+        mesh_axes = RULES[name] if name is not None else None
+        for m in (mesh_axes,) if isinstance(mesh_axes, str) else mesh_axes or ():
+            if m in used:
+                raise ValueError(f"logical axes {used[m]!r} and {name!r} both map to mesh axis {m!r}")
+            used[m] = name
+        spec.append(mesh_axes)
+    return P(*spec)
+
+
+def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A dp x fsdp x tp mesh of Auto axes (see the module docstring)."""
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    if devices is None:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def shard(x: jax.Array, *logical_axes: str | None) -> jax.Array:
+    """Constrain an activation's sharding inside jit (needs `jax.set_mesh`); a no-op without a mesh."""
+    if jax.sharding.get_abstract_mesh().empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes))
+
+
+def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(logical_axes))

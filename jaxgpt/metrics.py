@@ -1,0 +1,95 @@
+"""FLOPs, MFU, and the metrics log.
+
+FLOPs per token follow the PaLM/nanoGPT count: 6N for the matmuls of forward and backward (N the
+parameters touched per token: everything but the position embedding, the tied output head
+included once) plus 12 * L * T * D for the attention scores and the weighted sum
+(QK^T and AV, forward and backward, causal masking not discounted). MFU is achieved FLOP/s over the
+accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown (CPUs).
+
+`metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
+tokens_per_sec, mfu; evaluation lines carry step and val_loss. Other tools read these names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.model import param_count
+
+# Dense peak FLOP/s per device, by a substring of `device.device_kind`, for bf16 and fp8 matmuls.
+PEAK_FLOPS: dict[str, dict[str, float]] = {
+    "H100": {"bfloat16": 989e12, "fp8": 1979e12},
+    "H200": {"bfloat16": 989e12, "fp8": 1979e12},
+    "A100": {"bfloat16": 312e12},
+}
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    n = param_count(cfg, include_position=False)
+    return 6 * n + 12 * cfg.n_layer * cfg.seq_len * cfg.n_embd
+
+
+def peak_flops(device: jax.Device, precision: str = "bfloat16") -> float | None:
+    """Peak FLOP/s of one device, or None when the accelerator is not in the table."""
+    kind = getattr(device, "device_kind", "")
+    for name, peaks in PEAK_FLOPS.items():
+        if name in kind:
+            return peaks.get(precision)
+    return None
+
+
+def mfu(tokens_per_sec: float | None, cfg: ModelConfig, n_devices: int, peak: float | None) -> float | None:
+    if peak is None or tokens_per_sec is None:
+        return None
+    return tokens_per_sec * flops_per_token(cfg) / (n_devices * peak)
+
+
+class MetricsLog:
+    """Appends JSON lines to run_dir/metrics.jsonl and prints a short line, on process 0 only."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(_format(record), flush=True)
+
+
+def _format(r: dict[str, Any]) -> str:
+    if "val_loss" in r:
+        return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f}"
+    mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+    rate = f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") is not None else "(compiling)"
+    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad_norm {r['grad_norm']:.3f}"
+            f" | {rate} tok/s | mfu {mfu_s}")
+
+
+class Throughput:
+    """Tokens/s between two log points, timed on the host without extra device syncs."""
+
+    def __init__(self) -> None:
+        self.t0, self.step0 = time.perf_counter(), None
+
+    def reset(self, step: int) -> None:
+        self.t0, self.step0 = time.perf_counter(), step
+
+    def tokens_per_sec(self, step: int, tokens_per_step: int) -> float | None:
+        """None when no timed step has passed since the last reset (the compiling first step)."""
+        now = time.perf_counter()
+        rate = (step - self.step0) * tokens_per_step / (now - self.t0) if step > self.step0 else None
+        self.t0, self.step0 = now, step
+        return rate

@@ -1,0 +1,155 @@
+"""GPT-2 in Flax NNX, with GPT-2's parameter layout and logical sharding names on every weight.
+
+Letters: B batch, T time, D model width, H heads, K head dim (D = H*K), F MLP width (4D),
+V padded vocabulary, L layers.
+
+Layout. Parameters are stored so that a plain reshape gives Hugging Face GPT-2's tensors
+(its `Conv1D` weights are [in, out]):
+
+    ours                               HF GPT-2 (per layer i)
+    wte            [V, D]              wte.weight [50257, D] (drop the padding rows)
+    wpe            [T, D]              wpe.weight
+    blocks.attn.c_attn.kernel [L, D, 3, H, K]   h.i.attn.c_attn.weight [D, 3D]
+    blocks.attn.c_proj.kernel [L, H, K, D]      h.i.attn.c_proj.weight [D, D]
+    blocks.mlp.c_fc.kernel    [L, D, F]         h.i.mlp.c_fc.weight    [D, F]
+    blocks.mlp.c_proj.kernel  [L, F, D]         h.i.mlp.c_proj.weight  [F, D]
+
+QKV keeps its heads as a separate axis so that tensor parallelism splits whole heads (each tp
+shard holds q, k and v of its own heads); a flat [D, 3D] split by columns would hand one device
+all of q. Blocks are created with `nnx.vmap` and run with `nnx.scan`, so the compiled program
+holds one block however deep the model is.
+
+Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
+softmax (see attention.py) and the logits are fp32. The vocabulary is padded to a multiple of
+128 for fast matmuls and even tp splits; padded logits are set to -inf so they get no probability
+and no gradient.
+
+Initialisation follows GPT-2: normal(0.02) for weights and embeddings, zero biases, unit
+LayerNorm scales, and normal(0.02 / sqrt(2L)) for the two projections that write into the
+residual stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgpt.attention import causal_attention
+from jaxgpt.config import ModelConfig
+from jaxgpt.mesh import shard
+
+STD = 0.02
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float | None) -> nnx.Param:
+    """A parameter with its logical axes; std=None -> zeros, std=0 -> ones (LayerNorm scale)."""
+    if std is None:
+        value = jnp.zeros(shape, jnp.float32)
+    elif std == 0:
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, d: int, rngs: nnx.Rngs):
+        self.scale = _param(rngs, (d,), ("embed",), 0)
+        self.bias = _param(rngs, (d,), ("embed",), None)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+        return y.astype(x_BTD.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        H, K, D = cfg.n_head, cfg.head_dim, cfg.n_embd
+        self.c_attn_kernel = _param(rngs, (D, 3, H, K), ("embed", "qkv", "heads", "head_dim"), STD)
+        self.c_attn_bias = _param(rngs, (3, H, K), ("qkv", "heads", "head_dim"), None)
+        self.c_proj_kernel = _param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
+        self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
+        self.impl = cfg.attention
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        qkv_BT3HK = jnp.einsum("btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt))
+        qkv_BT3HK = qkv_BT3HK + self.c_attn_bias[...].astype(dt)
+        qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
+        q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
+        out_BTHK = causal_attention(q_BTHK, k_BTHK, v_BTHK, impl=self.impl)
+        y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt))
+        return y_BTD + self.c_proj_bias[...].astype(dt)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.n_embd, 4 * cfg.n_embd
+        self.c_fc_kernel = _param(rngs, (D, F), ("embed", "mlp"), STD)
+        self.c_fc_bias = _param(rngs, (F,), ("mlp",), None)
+        self.c_proj_kernel = _param(rngs, (F, D), ("mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
+        self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        h_BTF = x_BTD @ self.c_fc_kernel[...].astype(dt) + self.c_fc_bias[...].astype(dt)
+        h_BTF = shard(jax.nn.gelu(h_BTF, approximate=True), "batch", "seq", "act_mlp")
+        return h_BTF @ self.c_proj_kernel[...].astype(dt) + self.c_proj_bias[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.ln_1 = LayerNorm(cfg.n_embd, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln_2 = LayerNorm(cfg.n_embd, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+        x_BTD = x_BTD + self.mlp(self.ln_2(x_BTD))
+        return shard(x_BTD, "batch", "seq", "act_embed")
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = _param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
+        self.wpe = _param(rngs, (cfg.seq_len, cfg.n_embd), ("pos", "embed"), STD)
+
+        @nnx.split_rngs(splits=cfg.n_layer)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.ln_f = LayerNorm(cfg.n_embd, rngs)
+
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
+        """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf)."""
+        T = tokens_BT.shape[1]
+        x_BTD = (self.wte[...][tokens_BT] + self.wpe[...][:T]).astype(dtype)
+        x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
+            return block(x_BTD)
+
+        x_BTD = self.ln_f(run_blocks(x_BTD, self.blocks))
+        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.wte[...].astype(dtype),
+                                preferred_element_type=jnp.float32)
+        logits_BTV = shard(logits_BTV, "batch", "seq", "act_vocab")
+        is_real_V = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
+        return jnp.where(is_real_V, logits_BTV, -jnp.inf)
+
+
+def param_count(cfg: ModelConfig, include_position: bool = True) -> int:
+    """Parameters of the model (padded vocabulary included), computed without building it."""
+    D, F, L = cfg.n_embd, 4 * cfg.n_embd, cfg.n_layer
+    per_block = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * F + F) + (F * D + D)
+    return cfg.padded_vocab * D + (cfg.seq_len * D if include_position else 0) + L * per_block + 2 * D

@@ -1,0 +1,147 @@
+"""Train state, its shardings, and the jitted train and eval steps.
+
+The state is a plain pytree (`TrainState`: step, parameters as a nested dict, optax state) so that
+Orbax and `jit` see ordinary arrays. Its shardings are derived, never written by hand:
+
+    parameters       each Param's logical axes (model.py) -> mesh.RULES -> NamedSharding
+    optimizer state  `optax.tree_map_params`: every moment takes its parameter's sharding,
+                     scalars (the step count) are replicated
+
+The state is created directly in its final sharding (`jit(init, out_shardings=...)`), so no device
+ever holds the full model under FSDP. Random init is the same on every layout because JAX's
+threefry is partitionable: a value depends on its index, not on which device draws it.
+
+The train step is jitted with explicit in/out shardings and donates the old state, so parameters
+and optimizer moments are updated in place. Gradient accumulation scans over micro-batches inside
+the same step: micro-batch a holds rows a, a+A, a+2A, ... of the global batch, which keeps each
+device's rows on that device (a reshape of the sharded batch axis, no data movement).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxgpt.config import Config
+from jaxgpt.mesh import named
+from jaxgpt.model import GPT
+from jaxgpt.optim import lr_schedule, make_optimizer
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: dict[str, Any]
+    opt_state: optax.OptState
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
+    return jnp.dtype(name)
+
+
+def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph and its parameters as shapes, without allocating anything."""
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(cfg.train.seed)))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    assert not jax.tree.leaves(rest), "the model holds non-parameter state the train state would lose"
+    return graphdef, params
+
+
+def param_logical_axes(params: nnx.State) -> dict[str, Any]:
+    """Nested dict of logical-axis tuples, one per parameter (stacked blocks gain a 'layers' axis)."""
+    out: dict[str, Any] = {}
+    for path, var in nnx.to_flat_state(params):
+        axes = tuple(var.get_metadata()["logical_axes"])
+        if path[0] == "blocks":  # created under nnx.vmap: one leading axis per layer
+            axes = ("layers",) + axes
+        assert len(axes) == var.ndim, (path, axes, var.shape)
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = axes
+    return out
+
+
+class Setup(NamedTuple):
+    """Everything the loop needs that is fixed for a run."""
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    shardings: TrainState  # a NamedSharding per leaf of the state
+    logical_axes: dict[str, Any]
+
+
+def _is_axes(x: Any) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def make_setup(cfg: Config, mesh: Mesh) -> Setup:
+    graphdef, abstract_params = abstract_model(cfg)
+    optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
+    axes = param_logical_axes(abstract_params)
+    param_sh = jax.tree.map(lambda a: named(mesh, a), axes, is_leaf=_is_axes)
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract_params))
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes)
+
+
+def init_state(cfg: Config, setup: Setup) -> TrainState:
+    def init() -> TrainState:
+        model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
+        params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
+        return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params))
+    return jax.jit(init, out_shardings=setup.shardings)()
+
+
+def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of windows [B, T+1]."""
+    model = nnx.merge(graphdef, params)
+    logits_BTV = model(batch_BT1[:, :-1], dtype)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, batch_BT1[:, 1:]).mean()
+
+
+def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
+    """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'}), the state donated."""
+    A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
+    schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
+    grad_fn = jax.value_and_grad(loss_fn)
+
+    def train_step(state: TrainState, batch_BT1: jax.Array):
+        if A == 1:
+            loss, grads = grad_fn(state.params, setup.graphdef, batch_BT1, dtype)
+        else:
+            B, T1 = batch_BT1.shape
+            micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
+
+            def accumulate(carry, micro_BT1):
+                loss, grads = grad_fn(state.params, setup.graphdef, micro_BT1, dtype)
+                return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
+            (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro_ABT1)
+            loss, grads = jax.tree.map(lambda x: x / A, (loss, grads))
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    batch_sh = named(mesh, ("batch", None))
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(train_step, in_shardings=(setup.shardings, batch_sh),
+                   out_shardings=(setup.shardings, replicated), donate_argnums=0)
+
+
+def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
+    """jit(params, batch [B, T+1]) -> mean loss."""
+    dtype = compute_dtype(cfg.model.dtype)
+    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, dtype),
+                   in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
+                   out_shardings=NamedSharding(mesh, P()))

@@ -1,0 +1,49 @@
+"""The GPT-2 byte-pair tokenizer, built offline from the vocabulary shipped in the package.
+
+`tiktoken.get_encoding("gpt2")` would download its vocabulary on first use; a training job must
+not depend on the network, so we build the same `tiktoken.Encoding` from
+`assets/r50k_base.tiktoken` (r50k_base and gpt2 share ranks, split pattern and `<|endoftext|>`).
+`load_tiktoken_bpe` checks the file against its known sha256, so a damaged asset fails loudly
+instead of silently tokenizing differently. (For a local path it reads the file directly; it may
+keep a copy in tiktoken's own cache directory, but it never opens a connection.)
+
+The vocabulary hash is also written into every prepared dataset's meta.json, so data tokenized
+with another vocabulary is refused at load time rather than trained on.
+"""
+
+import functools
+import hashlib
+from pathlib import Path
+
+import tiktoken
+import tiktoken.load
+
+TOKENIZER_NAME = "gpt2"
+EOT_ID = 50256
+N_VOCAB = 50257
+
+_VOCAB_PATH = Path(__file__).parent / "assets" / "r50k_base.tiktoken"
+_VOCAB_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# Copied from tiktoken_ext/openai_public.py (r50k_pat_str, used by both "gpt2" and "r50k_base").
+# The possessive quantifiers are tiktoken's faster spelling of the original GPT-2 pattern; both
+# split text identically.
+_PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+
+@functools.cache
+def gpt2_encoding() -> tiktoken.Encoding:
+    """The GPT-2 encoding; `encode_ordinary` treats "<|endoftext|>" in text as plain text."""
+    ranks = tiktoken.load.load_tiktoken_bpe(str(_VOCAB_PATH), expected_hash=_VOCAB_SHA256)
+    return tiktoken.Encoding(
+        name=TOKENIZER_NAME,
+        pat_str=_PAT_STR,
+        mergeable_ranks=ranks,
+        special_tokens={"<|endoftext|>": EOT_ID},
+        explicit_n_vocab=N_VOCAB,
+    )
+
+
+@functools.cache
+def vocab_sha256() -> str:
+    """sha256 of the packaged vocabulary file: the tokenizer's identity in meta.json."""
+    return hashlib.sha256(_VOCAB_PATH.read_bytes()).hexdigest()
