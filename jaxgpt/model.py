@@ -133,7 +133,9 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf)."""
         T = tokens_BT.shape[1]
-        x_BTD = (self.wte[...][tokens_BT] + self.wpe[...][:T]).astype(dtype)
+        # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
+        wte_VD = shard(self.wte[...], "vocab", None)
+        x_BTD = (wte_VD[tokens_BT] + self.wpe[...][:T]).astype(dtype)
         x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)

@@ -127,7 +127,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
             zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, state.params))
             (loss, grads), _ = jax.lax.scan(accumulate, zeros, micro_ABT1)
             loss, grads = jax.tree.map(lambda x: x / A, (loss, grads))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step)}

@@ -1,0 +1,32 @@
+"""Test setup: 8 fake CPU devices, created before anything imports JAX.
+
+Every parallel layout (dp=8, fsdp=8, dp=2,fsdp=2,tp=2, ...) is tested on these devices; if
+JAX were imported first the flag would be ignored and those tests would run on one device,
+so the count is asserted rather than assumed.
+"""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ["JAX_PLATFORMS"] = "cpu"
+# The bundled corpus is prepared once per test session into a private cache (subprocesses inherit it).
+os.environ.setdefault("JAXGPT_CACHE", tempfile.mkdtemp(prefix="jaxgpt-test-cache-"))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+assert jax.device_count() == 8, "tests need 8 fake CPU devices; was JAX imported before conftest?"
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@pytest.fixture(scope="session")
+def shakespeare_dir() -> Path:
+    from jaxgpt import data
+    return data.resolve_data_dir("shakespeare")

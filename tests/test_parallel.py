@@ -1,0 +1,127 @@
+"""Every parallel layout trains the same model, shards what the table says, and compiles to the
+collectives the layout implies. Runs on the 8 fake CPU devices from conftest.py."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from helpers import collectives, tiny_config, train_losses, while_bodies
+
+from jaxgpt.config import validate
+from jaxgpt.mesh import RULES, logical_to_spec, make_mesh, named
+from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.train import train
+
+LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2"]
+
+# fp32 throughout. Layouts differ only in the order of floating-point sums (a gradient summed over
+# 8 shards instead of one, a matmul split in two and added), which moves a loss of ~10.8 by about
+# 1e-6 per step; after 5 AdamW steps we allow 1e-4 absolute, far below the ~0.1 a step moves it.
+LOSS_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def single_device_losses(tmp_path_factory, shakespeare_dir):
+    run_dir = tmp_path_factory.mktemp("single")
+    train(tiny_config("train.steps=5", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    return train_losses(run_dir)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
+    train(tiny_config("train.steps=5", mesh=layout), tmp_path)
+    losses = train_losses(tmp_path)
+    assert len(losses) == 5
+    assert single_device_losses[-1] < single_device_losses[0] - 0.05, "the model should be learning"
+    np.testing.assert_allclose(losses, single_device_losses, rtol=0, atol=LOSS_ATOL)
+
+
+def test_grad_accum_matches_one_big_batch(single_device_losses, tmp_path):
+    """Two micro-batches of 8 give the gradient of one batch of 16 (same tolerance, same reason)."""
+    train(tiny_config("train.steps=5", "train.grad_accum=2", mesh="dp=1"), tmp_path, devices=jax.devices()[:1])
+    np.testing.assert_allclose(train_losses(tmp_path), single_device_losses, rtol=0, atol=LOSS_ATOL)
+
+
+def _state_and_step(layout: str):
+    cfg = tiny_config(mesh=layout)
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        return cfg, mesh, setup, init_state(cfg, setup), make_train_step(cfg, mesh, setup)
+
+
+@pytest.mark.parametrize("layout", ["fsdp=8", "dp=2,fsdp=2,tp=2"])
+def test_parameters_sharded_as_the_table_says(layout):
+    _, mesh, setup, state, _ = _state_and_step(layout)
+    flat_axes = dict(jax.tree_util.tree_flatten_with_path(setup.logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0])
+    for path, param in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+        axes = flat_axes[path]
+        assert param.sharding.is_equivalent_to(named(mesh, axes), param.ndim), (path, param.sharding)
+        # each device holds exactly its slice: dims split by the mesh axes the table names
+        expected = list(param.shape)
+        for dim, name in enumerate(axes):
+            for axis in (RULES[name],) if isinstance(RULES[name], str) else RULES[name] or ():
+                expected[dim] //= mesh.shape[axis]
+        assert param.addressable_shards[0].data.shape == tuple(expected), path
+    if layout == "fsdp=8":
+        for path, param in jax.tree_util.tree_flatten_with_path(state.params)[0]:
+            if param.size >= 1024:  # every weight matrix and embedding; LayerNorm vectors are tiny
+                assert not param.sharding.is_fully_replicated, path
+                assert param.addressable_shards[0].data.size == param.size // 8, path
+
+
+def test_optimizer_state_follows_parameter_sharding():
+    _, _, _, state, _ = _state_and_step("dp=2,fsdp=2,tp=2")
+    adam = next(s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu"))
+    for moments in (adam.mu, adam.nu):
+        for p, m in zip(jax.tree.leaves(state.params), jax.tree.leaves(moments)):
+            assert m.sharding.is_equivalent_to(p.sharding, p.ndim)
+
+
+def test_logical_axes_cannot_reuse_a_mesh_axis():
+    assert logical_to_spec(("batch", "seq", "act_vocab")) == jax.sharding.PartitionSpec(("dp", "fsdp"), None, "tp")
+    with pytest.raises(ValueError, match="both map to mesh axis"):
+        logical_to_spec(("batch", "embed"))
+
+
+def _compiled_hlo(layout: str) -> str:
+    cfg, mesh, setup, state, step = _state_and_step(layout)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                 sharding=named(mesh, ("batch", None)))
+    with jax.set_mesh(mesh):
+        return step.lower(state, batch).compile().as_text()
+
+
+def test_dp_collectives():
+    """Data parallel: gradients are all-reduced; parameters are whole, so nothing is gathered,
+    and the forward layer loop talks to no other device."""
+    hlo = _compiled_hlo("dp=8")
+    assert collectives(hlo)["all-reduce"] >= 1
+    assert collectives(hlo)["all-gather"] == 0
+    assert any(sum(collectives(body).values()) == 0 for body in while_bodies(hlo))
+
+
+def test_fsdp_collectives():
+    """FSDP: each layer's weights are all-gathered inside the layer loops (forward and backward),
+    and gradients are reduced over the fsdp axis. XLA:CPU expresses that reduction as all-reduce
+    followed by a slice of the local shard; XLA:GPU's reduce-scatter creator turns the same pattern
+    into reduce-scatter, so either is accepted. The full embedding [V, D] is gathered once."""
+    hlo = _compiled_hlo("fsdp=8")
+    counts = collectives(hlo)
+    assert counts["all-reduce"] + counts["reduce-scatter"] >= 1
+    bodies = while_bodies(hlo)
+    assert len(bodies) >= 2 and all(collectives(b)["all-gather"] >= 1 for b in bodies)
+    assert any(collectives(b)["all-reduce"] == 0 for b in bodies), "the forward loop needs no all-reduce"
+    assert "f32[50304,32]{0,1} all-gather(" in hlo or "f32[50304,32]{1,0} all-gather(" in hlo
+
+
+@pytest.mark.parametrize("layout", ["dp=4,tp=2", "dp=2,fsdp=2,tp=2"])
+def test_tp_collectives(layout):
+    """Tensor parallel: the row-parallel matmuls (attention-out, MLP-out) leave partial sums that
+    are all-reduced inside every layer, forward and backward, so every layer loop holds all-reduces."""
+    hlo = _compiled_hlo(layout)
+    bodies = while_bodies(hlo)
+    assert len(bodies) >= 2 and all(collectives(b)["all-reduce"] >= 1 for b in bodies)
+    if "fsdp" not in layout:
+        assert collectives(hlo)["all-gather"] == 0
