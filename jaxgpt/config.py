@@ -125,6 +125,11 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
     want = type(f.default)
     value = yaml.safe_load(raw) if isinstance(raw, str) and want is not str else raw
+    if want in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads '1e-3' as a string
+            value = want(value)
+        except ValueError:
+            pass
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):

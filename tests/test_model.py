@@ -1,0 +1,91 @@
+"""Properties of the model itself: causality, the vocabulary padding, GPT-2's size and init."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from helpers import tiny_config
+
+from jaxgpt.config import load_config
+from jaxgpt.model import GPT, param_count
+
+
+def _model(cfg):
+    return GPT(cfg.model, nnx.Rngs(0))
+
+
+def test_causality_through_gradients():
+    """d loss(t) / d wpe[s] is zero for every s > t: position s only reaches later positions."""
+    cfg = tiny_config()
+    model = _model(cfg)
+    graphdef, params = nnx.split(model)
+    tokens_BT = jax.random.randint(jax.random.key(1), (2, cfg.model.seq_len), 0, 50257)
+    T = cfg.model.seq_len
+    for t in (0, 7, T - 2):
+        def loss_at_t(params):
+            logits_BTV = nnx.merge(graphdef, params)(tokens_BT)
+            return optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, t], tokens_BT[:, t + 1]).mean()
+        g_wpe_TD = jax.grad(loss_at_t)(params)["wpe"][...]
+        norms_T = np.linalg.norm(np.asarray(g_wpe_TD), axis=-1)
+        assert np.all(norms_T[t + 1:] == 0), f"position {t} depends on later positions"
+        assert np.all(norms_T[: t + 1] > 0), f"position {t} ignores earlier positions"
+
+
+def test_vocab_padding_gets_no_probability_and_no_gradient():
+    cfg = tiny_config()
+    model = _model(cfg)
+    V, Vp = cfg.model.vocab_size, cfg.model.padded_vocab
+    assert Vp % 128 == 0 and Vp - 128 < V <= Vp
+    tokens_BT = jnp.arange(2 * 16).reshape(2, 16)
+    probs_BTV = jax.nn.softmax(model(tokens_BT), axis=-1)
+    assert float(probs_BTV[..., V:].max()) == 0.0
+    np.testing.assert_allclose(np.asarray(probs_BTV[..., :V].sum(-1)), 1.0, rtol=1e-5)
+    graphdef, params = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens_BT[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BT[:, 1:]).mean()
+
+    g_wte_VD = jax.grad(loss)(params)["wte"][...]
+    assert float(jnp.abs(g_wte_VD[V:]).max()) == 0.0  # padding rows never learn
+
+
+def test_gpt2_small_has_gpt2_parameter_count():
+    """GPT-2 small is 124,439,808 parameters with 50,257 tokens; padding adds 47 rows of 768."""
+    cfg = load_config("gpt2-124m")
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0)))
+    n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n == param_count(cfg.model) == 124_439_808 + 47 * 768
+
+
+def test_gpt2_initialisation():
+    cfg = tiny_config("model.n_layer=4", "model.n_embd=128")
+    p = nnx.state(_model(cfg), nnx.Param)
+    std = lambda x: float(jnp.std(x[...]))  # noqa: E731
+    assert abs(std(p["wte"]) - 0.02) < 0.001
+    assert abs(std(p["blocks"]["mlp"]["c_fc_kernel"]) - 0.02) < 0.001
+    residual = 0.02 / np.sqrt(2 * 4)
+    assert abs(std(p["blocks"]["mlp"]["c_proj_kernel"]) - residual) < 0.1 * residual
+    assert abs(std(p["blocks"]["attn"]["c_proj_kernel"]) - residual) < 0.1 * residual
+    assert float(jnp.abs(p["blocks"]["attn"]["c_attn_bias"][...]).max()) == 0.0
+    assert float(jnp.abs(p["ln_f"]["scale"][...] - 1).max()) == 0.0
+    # the layers are initialised independently, not copies of one another
+    w = np.asarray(p["blocks"]["mlp"]["c_fc_kernel"][...])
+    assert not np.allclose(w[0], w[1])
+
+
+def test_bf16_compute_stays_close_to_fp32():
+    """Parameters stay fp32; bf16 compute changes the initial loss only by bf16 rounding."""
+    cfg = tiny_config()
+    model = _model(cfg)
+    tokens_BT = jax.random.randint(jax.random.key(2), (2, 33), 0, 50257)
+
+    def loss(dtype):
+        logits = model(tokens_BT[:, :-1], dtype)
+        assert logits.dtype == jnp.float32
+        return float(optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BT[:, 1:]).mean())
+
+    assert abs(loss(jnp.bfloat16) - loss(jnp.float32)) < 0.02
