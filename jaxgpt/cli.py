@@ -4,6 +4,7 @@ Exit codes (documented in the README):
     0  success
     2  bad input the user can fix (config, mesh, data, ...): one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
+    75 preempted (SIGTERM or Ctrl-C): a checkpoint was committed, re-run the same command to resume
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from collections.abc import Callable, Sequence
 
 from jaxgpt.errors import UserError
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED = 0, 2, 3
+EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED = 0, 2, 3, 75
 
 
 class Diverged(UserError):
     """The loss became NaN or inf; the run stops without saving the broken state."""
+
+
+class Preempted(Exception):
+    """Training stopped on request after committing a resumable checkpoint."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -30,6 +35,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     """Runs a command, turning a UserError into one stderr line and its exit code."""
     try:
         fn(argv)
+    except Preempted as e:
+        print(f"preempted: {e}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except Diverged as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_DIVERGED

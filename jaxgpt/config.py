@@ -89,6 +89,15 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(100, "save a checkpoint every N steps (always at the end and on SIGTERM); 0: only then")
+    keep: int = _f(3, "keep the newest N checkpoints")
+    async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
+    init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     every: int = _f(10, "log train metrics every N steps")
 
@@ -100,6 +109,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -248,8 +258,11 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"{key} must be positive, got {value}")
-    if t.eval_every < 0 or o.warmup_steps < 0 or cfg.data.prefetch < 0:
-        raise UserError("train.eval_every, optimizer.warmup_steps and data.prefetch must not be negative")
+    if t.eval_every < 0 or o.warmup_steps < 0 or cfg.data.prefetch < 0 or cfg.checkpoint.every < 0:
+        raise UserError("train.eval_every, optimizer.warmup_steps, data.prefetch and checkpoint.every "
+                        "must not be negative")
+    if cfg.checkpoint.keep <= 0:
+        raise UserError(f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}")
     if not o.lr > 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0 or o.weight_decay < 0:
         raise UserError("optimizer: lr must be > 0, min_lr_ratio in [0, 1], grad_clip and weight_decay >= 0")
     if m.n_embd % m.n_head:

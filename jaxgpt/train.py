@@ -2,14 +2,18 @@
 
 The loop. Everything that can be wrong with the input is checked before anything compiles:
 config keys and values, then the mesh against the device count, then the data and its
-vocabulary. The host stays off the critical path: step N+1 is dispatched before step N's metrics
-are pulled to the host, so reading them never leaves the device idle (every step's loss is still
-checked for NaN/inf, one step late).
+vocabulary, then (on resume) the checkpoint's shapes. The host stays off the critical path: step
+N+1 is dispatched before step N's metrics are pulled to the host, so reading them never leaves
+the device idle (every step's loss is still checked for NaN/inf, one step late).
+
+Re-running the same command with the same run dir resumes from the newest good checkpoint:
+parameters, optimizer state, step and data position, so the run continues the same trajectory.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -20,12 +24,14 @@ import numpy as np
 import yaml
 
 from jaxgpt import data
-from jaxgpt.cli import ArgumentParser, Diverged, run_main
+from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
+from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.mesh import make_mesh, named
-from jaxgpt.metrics import MetricsLog, Throughput, flops_per_token, mfu, peak_flops
+from jaxgpt.metrics import MetricsLog, Throughput, mfu, peak_flops
 from jaxgpt.model import param_count
-from jaxgpt.step import TrainState, compute_dtype, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.preemption import StopRequest
+from jaxgpt.step import Setup, TrainState, compute_dtype, init_state, make_eval_step, make_setup, make_train_step
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
@@ -34,7 +40,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text())
     parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
     parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
-    parser.add_argument("--run-dir", type=Path, help="where metrics.jsonl (and checkpoints) go (default: runs/CONFIG)")
+    parser.add_argument("--run-dir", type=Path, help="metrics.jsonl and checkpoints go here; an existing one resumes "
+                                                     "(default: runs/CONFIG)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)
@@ -42,12 +49,42 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def _log_run_header(cfg: Config, sizes: dict[str, int], n_train_tokens: int) -> None:
-    n = param_count(cfg.model)
-    layout = ",".join(f"{a}={s}" for a, s in sizes.items())
-    print(f"jaxgpt: {n / 1e6:.1f}M parameters | mesh {layout} on {jax.device_count()} "
-          f"{jax.devices()[0].platform} devices | {cfg.train.batch_size} x {cfg.model.seq_len} tokens/step "
-          f"| {n_train_tokens:,} train tokens | compute {np.dtype(compute_dtype(cfg.model.dtype)).name}", flush=True)
+def _abstract_state(cfg: Config, setup: Setup) -> TrainState:
+    shapes = jax.eval_shape(lambda: init_state(cfg, setup))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
+
+
+def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[TrainState, dict | None]:
+    """Resume this run, or start from another run's checkpoint, or initialise; (state, data state)."""
+    abstract = _abstract_state(cfg, setup)
+    restored = ckpt.restore_latest(abstract)
+    if restored is not None:
+        _say(f"resuming from step {restored.step} ({restored.path})")
+        return restored.state, restored.data_state
+    if cfg.checkpoint.init_from:
+        source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
+        other = source.restore_latest(abstract)
+        source.close()
+        assert other is not None, "find_checkpoint_dir found checkpoints that restore_latest did not"
+        if not cfg.checkpoint.init_params_only:
+            _say(f"starting from step {other.step} of {other.path}")
+            return other.state, other.data_state
+        _say(f"starting from the parameters of {other.path} (fresh optimizer, step 0)")
+        fresh = init_state(cfg, setup)
+        return TrainState(fresh.step, other.state.params, fresh.opt_state), None
+    return init_state(cfg, setup), None
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """On resume, drop lines logged after the checkpoint: those steps are about to run again."""
+    if jax.process_index() == 0 and path.exists():
+        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in lines))
 
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
@@ -65,13 +102,6 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
                                     num_batches=t.eval_batches, process_index=pid, process_count=nproc)
 
-    is_main = pid == 0
-    log = MetricsLog(run_dir, enabled=is_main)
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-        _log_run_header(cfg, sizes, len(train_tokens))
-
     mesh = make_mesh(sizes, devices)
     batch_sharding = named(mesh, ("batch", None))
     global_shape = (t.batch_size, m.seq_len + 1)
@@ -79,57 +109,92 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
 
-    tokens_per_step = t.batch_size * m.seq_len
-    peak = peak_flops(devices[0], np.dtype(compute_dtype(m.dtype)).name)
-
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        state = init_state(cfg, setup)
-        train_step = make_train_step(cfg, mesh, setup)
-        eval_step = make_eval_step(cfg, mesh, setup)
-
-        def evaluate(step: int) -> None:
-            losses = [eval_step(state.params, to_global(b)) for b in val_batches]
-            log.write({"step": step, "val_loss": float(np.mean(jax.device_get(losses)))})
-
-        start = int(state.step)
-        if t.eval_every:
-            evaluate(start)
-        clock = Throughput()
-        clock.reset(start)
-        pending = None  # (step, metrics on device) of the step dispatched before this one
-        for step in range(start + 1, t.steps + 1):
-            state, metrics = train_step(state, to_global(next(batches)))
-            if pending is not None:
-                _finish_step(*pending, log=log, clock=clock, cfg=cfg, tokens_per_step=tokens_per_step,
-                             n_devices=len(devices), peak=peak)
-            pending = (step, metrics)
-            if step == start + 1:  # the first step compiled: don't count it in tokens/s
-                jax.block_until_ready(metrics)
-                clock.reset(step)
-            if t.eval_every and (step % t.eval_every == 0 or step == t.steps):
-                _finish_step(*pending, log=log, clock=clock, cfg=cfg, tokens_per_step=tokens_per_step,
-                             n_devices=len(devices), peak=peak)
-                pending = None
-                evaluate(step)
-                clock.reset(step)
-        if pending is not None:
-            _finish_step(*pending, log=log, clock=clock, cfg=cfg, tokens_per_step=tokens_per_step,
-                         n_devices=len(devices), peak=peak)
+    log = MetricsLog(run_dir, enabled=pid == 0)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    stop = StopRequest()
+    try:
+        with jax.set_mesh(mesh):
+            setup = make_setup(cfg, mesh)
+            state, data_state = _initial_state(cfg, setup, ckpt)
+            start = int(state.step)
+            if data_state is not None:
+                batches.set_state(data_state)
+            if pid == 0:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                _trim_metrics(log.path, start)
+                layout = ",".join(f"{a}={s}" for a, s in sizes.items())
+                print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
+                      f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
+                      f"{len(train_tokens):,} train tokens | compute {np.dtype(compute_dtype(m.dtype)).name}",
+                      flush=True)
+            loop = _Loop(cfg, setup, mesh, log, len(devices), peak_flops(devices[0], np.dtype(compute_dtype(m.dtype)).name))
+            state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
+        ckpt.wait()
+    finally:
+        stop.close()
+        ckpt.close()
     return state
 
 
-def _finish_step(step: int, metrics: dict, *, log: MetricsLog, clock: Throughput, cfg: Config,
-                 tokens_per_step: int, n_devices: int, peak: float | None) -> None:
-    """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""
-    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-    if not math.isfinite(values["loss"]):
-        raise Diverged(f"the loss became {values['loss']} at step {step}; lower optimizer.lr or "
-                       f"check the data (nothing was saved from this step)")
-    if step % cfg.logging.every and step != cfg.train.steps:
-        return
-    rate = clock.tokens_per_sec(step, tokens_per_step)
-    log.write({"step": step, **values, "tokens_per_sec": rate, "mfu": mfu(rate, cfg.model, n_devices, peak)})
+class _Loop:
+    """The step loop: dispatch, deferred metrics, evaluation, checkpoints, stop requests."""
+
+    def __init__(self, cfg: Config, setup: Setup, mesh, log: MetricsLog, n_devices: int, peak: float | None):
+        self.cfg, self.log, self.n_devices, self.peak = cfg, log, n_devices, peak
+        self.train_step = make_train_step(cfg, mesh, setup)
+        self.eval_step = make_eval_step(cfg, mesh, setup)
+        self.clock = Throughput()
+        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+
+    def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
+        losses = [self.eval_step(state.params, to_global(b)) for b in val_batches]
+        self.log.write({"step": step, "val_loss": float(np.mean(jax.device_get(losses)))})
+
+    def finish(self, step: int, metrics: dict) -> None:
+        """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(values["loss"]):
+            raise Diverged(f"the loss became {values['loss']} at step {step}; lower optimizer.lr or "
+                           f"check the data (nothing was saved from this step)")
+        if step % self.cfg.logging.every and step != self.cfg.train.steps:
+            return
+        rate = self.clock.tokens_per_sec(step, self.tokens_per_step)
+        self.log.write({"step": step, **values, "tokens_per_sec": rate,
+                        "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak)})
+
+    def run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
+        t, every = self.cfg.train, self.cfg.checkpoint.every
+        if start >= t.steps:
+            _say(f"already trained to step {start} (train.steps={t.steps}); nothing to do")
+            return state
+        if t.eval_every and start == 0:
+            self.evaluate(state, 0, val_batches, to_global)
+        self.clock.reset(start)
+        pending = None  # (step, metrics still on device) of the previous step
+        for step in range(start + 1, t.steps + 1):
+            state, metrics = self.train_step(state, to_global(next(batches)))
+            if pending is not None:
+                self.finish(*pending)
+            pending = (step, metrics)
+            if step == start + 1:  # the first step compiled: keep it out of tokens/s
+                jax.block_until_ready(metrics)
+                self.clock.reset(step)
+            evaluate = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
+            stopping = stop.requested(step)
+            if evaluate or stopping or step == t.steps or (every and step % every == 0):
+                self.finish(*pending)  # never save a non-finite state
+                pending = None
+            if (every and step % every == 0) or step == t.steps or stopping:
+                ckpt.save(step, state, batches.get_state(), self.cfg)
+            if evaluate:
+                self.evaluate(state, step, val_batches, to_global)
+                self.clock.reset(step)
+            if stopping:
+                ckpt.wait()
+                raise Preempted(f"stopped at step {step}; checkpoint committed to {ckpt.step_path(step)}; "
+                                f"run the same command to resume")
+        return state
 
 
 def _main(argv: Sequence[str] | None) -> None:
