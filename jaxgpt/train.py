@@ -43,7 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     parser.add_argument("--run-dir", type=Path, help="metrics.jsonl and checkpoints go here; an existing one resumes "
                                                      "(default: runs/CONFIG)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may sit between overrides
     cfg = load_config(args.config, args.overrides, args.mesh)
     run_dir = args.run_dir or Path("runs") / Path(args.config or "shakespeare").stem
     return cfg, run_dir

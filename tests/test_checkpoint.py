@@ -1,0 +1,196 @@
+"""Checkpoints: exact resume after SIGKILL (also mid-save), SIGTERM, resharding, damage, init_from.
+
+The kill tests drive the real CLI in subprocesses; "the same trajectory" means bit-identical
+losses at every step and bit-identical final parameters on CPU."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from helpers import REPO, TINY, read_metrics, run_cli, tiny_config, train_losses
+
+from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
+from jaxgpt.config import validate
+from jaxgpt.errors import UserError
+from jaxgpt.mesh import make_mesh
+from jaxgpt.step import make_setup
+from jaxgpt.train import _abstract_state, train
+
+RUN = [*TINY, "train.steps=12", "checkpoint.every=4", "logging.every=1", "--mesh", "dp=4,tp=2"]
+
+
+def _start(run_dir: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxgpt.train", "--run-dir", str(run_dir), *RUN], cwd=REPO,
+                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120, poll: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def _logged_steps(run_dir: Path) -> int:
+    try:
+        return len([r for r in read_metrics(run_dir) if "loss" in r])
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
+def _saving(run_dir: Path) -> bool:
+    d = run_dir / "checkpoints"
+    return d.is_dir() and any("tmp" in p.name for p in d.iterdir())
+
+
+def _committed(run_dir: Path, step: int) -> bool:
+    return (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists()
+
+
+def _final_params(run_dir: Path, layout: str = "dp=4,tp=2"):
+    cfg = tiny_config(mesh=layout)
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        restored = ckpt.restore_latest(_abstract_state(cfg, setup))
+        ckpt.close()
+    return restored
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, shakespeare_dir):
+    run_dir = tmp_path_factory.mktemp("reference")
+    proc = run_cli("--run-dir", str(run_dir), *RUN)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir
+
+
+@pytest.mark.parametrize("moment", ["before the first checkpoint", "after a checkpoint", "during a save"])
+def test_sigkill_then_resume_is_bit_identical(moment, reference, tmp_path):
+    when = {"before the first checkpoint": lambda: _logged_steps(tmp_path) >= 2,
+            "after a checkpoint": lambda: _logged_steps(tmp_path) >= 6,
+            "during a save": lambda: _committed(tmp_path, 4) and _saving(tmp_path)}[moment]
+    proc = _start(tmp_path)
+    caught = _wait_for(when, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert caught, f"the run ended before the kill point ({moment})"
+    assert proc.returncode == -signal.SIGKILL
+
+    resumed = run_cli("--run-dir", str(tmp_path), *RUN)
+    assert resumed.returncode == 0, resumed.stderr
+    if moment != "before the first checkpoint":
+        assert "resuming from step" in resumed.stdout
+    assert train_losses(tmp_path) == train_losses(reference)  # every step, bit for bit
+    ours, theirs = _final_params(tmp_path), _final_params(reference)
+    assert ours.step == theirs.step == 12
+    for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(theirs.state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_saves_and_exits_preempted(reference, tmp_path):
+    proc = _start(tmp_path)
+    assert _wait_for(lambda: _logged_steps(tmp_path) >= 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, stderr
+    assert "Traceback" not in stderr
+    stopped = int(stderr.split("stopped at step ")[1].split(";")[0])
+    assert (tmp_path / "checkpoints" / str(stopped) / "commit_success.txt").exists()
+    resumed = run_cli("--run-dir", str(tmp_path), *RUN)
+    assert resumed.returncode == 0 and f"resuming from step {stopped}" in resumed.stdout
+    assert train_losses(tmp_path) == train_losses(reference)
+
+
+def test_reshard_dp8_to_fsdp_tp_and_one_device(tmp_path, shakespeare_dir):
+    train(tiny_config("train.steps=4", "checkpoint.every=4", mesh="dp=8"), tmp_path)
+    saved = _final_params(tmp_path, "dp=8")
+    for layout, devices in [("fsdp=4,tp=2", None), ("dp=1", jax.devices()[:1])]:
+        cfg = tiny_config(mesh=layout)
+        mesh = make_mesh(validate(cfg, len(devices or jax.devices())), devices)
+        with jax.set_mesh(mesh):
+            setup = make_setup(cfg, mesh)
+            ckpt = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
+            restored = ckpt.restore_latest(_abstract_state(cfg, setup))
+            ckpt.close()
+        for a, b, sh in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved.state),
+                            jax.tree.leaves(setup.shardings)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+            assert a.sharding.is_equivalent_to(sh, a.ndim)
+    # and training continues under the new layout
+    train(tiny_config("train.steps=6", "checkpoint.every=4", mesh="fsdp=4,tp=2"), tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.fixture()
+def three_checkpoints(tmp_path, shakespeare_dir):
+    train(tiny_config("train.steps=6", "checkpoint.every=2", mesh="dp=8"), tmp_path)
+    return tmp_path
+
+
+def _restore(run_dir: Path, *overrides: str):
+    cfg = tiny_config(*overrides, mesh="dp=8")
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        try:
+            return ckpt.restore_latest(_abstract_state(cfg, make_setup(cfg, mesh)))
+        finally:
+            ckpt.close()
+
+
+def test_checkpoint_without_commit_marker_is_skipped(three_checkpoints, capsys):
+    (three_checkpoints / "checkpoints" / "6" / "commit_success.txt").unlink()
+    assert _restore(three_checkpoints).step == 4
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and "checkpoints/6" in err and "no commit marker" in err
+
+
+def test_truncated_or_missing_files_are_skipped_with_a_warning(three_checkpoints, capsys):
+    for f in (three_checkpoints / "checkpoints" / "6" / "state" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    shutil.rmtree(three_checkpoints / "checkpoints" / "4" / "state" / "d")
+    restored = _restore(three_checkpoints)
+    err = capsys.readouterr().err
+    assert restored.step == 2
+    assert "skipping checkpoint" in err and "checkpoints/6" in err and "checkpoints/4" in err
+
+
+def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(three_checkpoints):
+    for step in (2, 4, 6):
+        (three_checkpoints / "checkpoints" / str(step) / "commit_success.txt").unlink()
+    with pytest.raises(UserError, match="none can be read"):
+        _restore(three_checkpoints)
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "--mesh", "dp=8")
+    assert proc.returncode == EXIT_USER_ERROR and "none can be read" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_changed_model_shape_lists_the_mismatches(three_checkpoints):
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
+    assert proc.returncode == EXIT_USER_ERROR and "Traceback" not in proc.stderr
+    assert "does not fit the current config" in proc.stderr
+    assert "params.blocks.attn.c_attn_kernel: checkpoint (2, 32, 3, 4, 8) vs config (3, 32, 3, 4, 8)" in proc.stderr
+
+
+def test_init_from_params_only(three_checkpoints, tmp_path_factory):
+    source = _restore(three_checkpoints)
+    run_dir = tmp_path_factory.mktemp("finetune")
+    state = train(tiny_config("train.steps=1", f"checkpoint.init_from={three_checkpoints}",
+                              "checkpoint.init_params_only=true", "optimizer.lr=1e-9", mesh="dp=8"), run_dir)
+    assert int(state.step) == 1  # a fresh run: step 0 -> 1
+    # with lr ~ 0 the parameters after one step are the source's
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(source.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7)
