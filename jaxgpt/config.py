@@ -86,6 +86,9 @@ class MeshConfig:
     dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave")
     fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above")
     tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above")
+    allow_tp_across_hosts: bool = _f(False, "permit a tp axis that spans processes (slow: tp talks in every layer)")
+
+    AXES = ("dp", "fsdp", "tp")
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ def load_config(config: str | None = None, overrides: list[str] = (), mesh: str 
 
 def parse_mesh(spec: str) -> dict[str, str]:
     """'dp=2,tp=4' -> {'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.tp': '4'}: axes not named are 1."""
-    axes = [f.name for f in dataclasses.fields(MeshConfig)]
+    axes = list(MeshConfig.AXES)
     out = {f"mesh.{a}": "1" for a in axes}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, size = part.partition("=")
@@ -228,7 +231,7 @@ def parse_mesh(spec: str) -> dict[str, str]:
 
 def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
     """Resolve -1 and check that the axes multiply to the device count."""
-    sizes = dataclasses.asdict(mesh)
+    sizes = {a: getattr(mesh, a) for a in MeshConfig.AXES}
     free = [a for a, s in sizes.items() if s == -1]
     if len(free) > 1:
         raise UserError(f"mesh: only one axis may be -1, got {', '.join(free)}")

@@ -33,7 +33,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("dp", "fsdp", "tp")
+from jaxgpt.config import MeshConfig
+
+MESH_AXES = MeshConfig.AXES  # ("dp", "fsdp", "tp")
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters

@@ -23,10 +23,11 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import data
+from jaxgpt import data, distributed
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
+from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import MetricsLog, Throughput, mfu, peak_flops
 from jaxgpt.model import param_count
@@ -89,8 +90,11 @@ def _trim_metrics(path: Path, step: int) -> None:
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
     """Trains `cfg` on `devices` (default: all), logging to run_dir/metrics.jsonl; returns the final state."""
-    devices = list(devices or jax.devices())
+    devices = list(devices or distributed.ordered_devices())
     sizes = validate(cfg, len(devices))
+    layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
+    if layout_error:
+        raise UserError(layout_error)
     data_dir = data.resolve_data_dir(cfg.data.path)
     validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
@@ -199,6 +203,7 @@ class _Loop:
 
 def _main(argv: Sequence[str] | None) -> None:
     cfg, run_dir = parse_args(argv)
+    distributed.initialize()
     train(cfg, run_dir)
 
 

@@ -1,0 +1,71 @@
+"""Several processes, one program: when and how `jax.distributed` starts, and the device order.
+
+A multi-host run is one jaxgpt process per host (or per GPU), all running the same command. They
+find each other through a coordinator (process 0's address) and then see one global list of
+devices; the mesh, the shardings and the jitted step are the same as on one host, and XLA moves
+data between hosts where the layout needs it.
+
+When jaxgpt initialises `jax.distributed` (and only then):
+    - COORDINATOR_ADDRESS, NUM_PROCESSES and PROCESS_ID are set (by `launch_multihost.sh` or by
+      hand; LOCAL_DEVICE_IDS optionally restricts a process to some local GPUs), or
+    - the job runs under SLURM with more than one task (JAX reads the SLURM variables itself).
+A single process with neither never touches `jax.distributed`.
+
+Processes on CPU (the local test mode) exchange collectives through gloo over TCP.
+
+Failure: every process sends heartbeats to the coordinator; if one stops (it crashed or its host
+died), the coordination service declares it dead after JAXGPT_HEARTBEAT_TIMEOUT seconds (default
+60) and the remaining processes are terminated with an error instead of hanging in a collective.
+
+Device order and the mesh: devices are ordered by (process, local id) before being reshaped into
+(dp, fsdp, tp), so tp, the fastest-varying axis, takes neighbouring devices of one process, while
+dp and fsdp step across processes. Tensor parallelism, which talks inside every layer, thus stays
+on one host's fast links (NVLink), and the slower network between hosts carries only the dp/fsdp
+traffic. `mesh_layout_error` refuses a tp that would span processes unless the user insists.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_ENV = ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID")
+
+
+def wanted() -> bool:
+    """Whether the environment describes a multi-process job."""
+    if all(os.environ.get(k) for k in _ENV):
+        return int(os.environ["NUM_PROCESSES"]) > 1
+    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+
+
+def initialize() -> None:
+    """Starts `jax.distributed` when the environment asks for several processes; else does nothing."""
+    if not wanted() or jax.distributed.is_initialized():
+        return
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeout = int(os.environ.get("JAXGPT_HEARTBEAT_TIMEOUT", "60"))
+    kwargs = {}
+    if all(os.environ.get(k) for k in _ENV):
+        kwargs = dict(coordinator_address=os.environ["COORDINATOR_ADDRESS"],
+                      num_processes=int(os.environ["NUM_PROCESSES"]), process_id=int(os.environ["PROCESS_ID"]))
+        if os.environ.get("LOCAL_DEVICE_IDS"):
+            kwargs["local_device_ids"] = [int(i) for i in os.environ["LOCAL_DEVICE_IDS"].split(",")]
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout,
+                               initialization_timeout=int(os.environ.get("JAXGPT_INIT_TIMEOUT", "300")))
+
+
+def ordered_devices() -> list[jax.Device]:
+    """All devices, process by process: the order the mesh is cut from (see the module docstring)."""
+    return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+
+
+def mesh_layout_error(tp: int, allow_tp_across_hosts: bool) -> str | None:
+    """Why this tp would span processes, or None if it stays within each one."""
+    local = jax.local_device_count()
+    if jax.process_count() == 1 or allow_tp_across_hosts or local % tp == 0:
+        return None
+    return (f"tp={tp} does not divide the {local} devices of each process, so tensor parallelism would "
+            f"cross hosts on every layer; choose a tp that divides {local} or set mesh.allow_tp_across_hosts=true")

@@ -1,0 +1,91 @@
+"""Real multi-process runs on 127.0.0.1: 2 processes x 4 CPU devices, gloo collectives.
+
+The 1-process x 8-device runs they are compared with happen in this pytest process (8 fake devices)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from helpers import REPO, TINY, train_losses, tiny_config
+
+from jaxgpt.train import train
+
+# Constant learning rate, so a run stopped at step 4 and resumed to 8 follows the same schedule as
+# a run straight to 8 (the schedule depends on train.steps).
+RUN = [*TINY, "optimizer.warmup_steps=0", "optimizer.min_lr_ratio=1.0", "checkpoint.every=4"]
+MESH = "dp=2,fsdp=4"
+LOSS_ATOL = 1e-4  # same bound and reason as test_parallel.py: only the order of fp32 sums differs
+HEARTBEAT_S = 10
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch_local(run_dir, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()))
+    return subprocess.run(["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--",
+                           "--run-dir", str(run_dir), "--mesh", MESH, *RUN, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one_process_reference(tmp_path_factory, shakespeare_dir):
+    run_dir = tmp_path_factory.mktemp("one-process")
+    train(tiny_config(*RUN, "train.steps=8", mesh=MESH), run_dir)
+    return train_losses(run_dir)
+
+
+def test_two_processes_train_like_one(one_process_reference, tmp_path):
+    proc = _launch_local(tmp_path, "train.steps=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = train_losses(tmp_path)
+    assert len(losses) == 8
+    np.testing.assert_allclose(losses, one_process_reference, rtol=0, atol=LOSS_ATOL)
+    assert proc.stdout.count("step      8 | loss") == 1  # only process 0 logs
+
+
+def test_checkpoint_moves_from_two_processes_to_one(one_process_reference, tmp_path):
+    assert _launch_local(tmp_path, "train.steps=4").returncode == 0
+    train(tiny_config(*RUN, "train.steps=8", mesh=MESH), tmp_path)  # resumes at step 4, one process
+    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
+
+
+def test_checkpoint_moves_from_one_process_to_two(one_process_reference, tmp_path):
+    train(tiny_config(*RUN, "train.steps=4", mesh=MESH), tmp_path)
+    proc = _launch_local(tmp_path, "train.steps=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step 4" in proc.stdout
+    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
+
+
+def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", NUM_PROCESSES="2", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
+    args = [sys.executable, "-m", "jaxgpt.train", "--run-dir", str(tmp_path), "--mesh", MESH, *RUN,
+            "train.steps=100000", "checkpoint.every=0"]
+    procs = [subprocess.Popen(args, cwd=REPO, env={**env, "PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    deadline = time.monotonic() + 120
+    while len(train_losses(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < 3:
+        assert time.monotonic() < deadline and procs[0].poll() is None, "training did not start"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = procs[0].communicate(timeout=HEARTBEAT_S + 60)
+    waited = time.monotonic() - killed_at
+    procs[1].communicate()
+    assert procs[0].returncode != 0
+    assert "another task died" in stderr or "heartbeat timeout" in stderr, stderr[-2000:]
+    assert waited < HEARTBEAT_S + 60  # bounded by the heartbeat, not a hang
