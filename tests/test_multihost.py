@@ -4,6 +4,7 @@ The 1-process x 8-device runs they are compared with happen in this pytest proce
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -89,3 +90,25 @@ def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
     assert procs[0].returncode != 0
     assert "another task died" in stderr or "heartbeat timeout" in stderr, stderr[-2000:]
     assert waited < HEARTBEAT_S + 60  # bounded by the heartbeat, not a hang
+
+
+def test_tp_across_hosts_is_refused(tmp_path):
+    proc = _launch_local(tmp_path, "train.steps=2", "model.n_head=8", "--mesh", "dp=1,tp=8")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "would cross hosts" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_comm_bench_reports_bus_bandwidth(tmp_path):
+    out = tmp_path / "comm.json"
+    proc = subprocess.run([sys.executable, "scripts/comm_bench.py", "--min-bytes", "1K", "--max-bytes", "64K",
+                           "--iters", "2", "--json", str(out)], cwd=REPO, env=dict(os.environ),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert {r["kind"] for r in rows} == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all"}
+    assert len(rows) == 4 * 4  # 1K, 4K, 16K, 64K for each kind
+    assert all(f"{r['kind']:>15}" in proc.stdout for r in rows)
+    for r in rows:
+        assert r["algbw_GBps"] > 0 and r["bytes"] >= 1024
+        factor = 2 * 7 / 8 if r["kind"] == "all-reduce" else 7 / 8  # nccl-tests' factors for n = 8
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
