@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from helpers import REPO, TINY, train_losses, tiny_config
 
+from jaxgpt.cli import EXIT_PREEMPTED
 from jaxgpt.train import train
 
 # Constant learning rate, so a run stopped at step 4 and resumed to 8 follows the same schedule as
@@ -70,18 +71,34 @@ def test_checkpoint_moves_from_one_process_to_two(one_process_reference, tmp_pat
     np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
 
 
-def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
+def _start_two(run_dir) -> list[subprocess.Popen]:
+    """Two processes started by hand (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID), training until step 3."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", NUM_PROCESSES="2", JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
-    args = [sys.executable, "-m", "jaxgpt.train", "--run-dir", str(tmp_path), "--mesh", MESH, *RUN,
+    args = [sys.executable, "-m", "jaxgpt.train", "--run-dir", str(run_dir), "--mesh", MESH, *RUN,
             "train.steps=100000", "checkpoint.every=0"]
     procs = [subprocess.Popen(args, cwd=REPO, env={**env, "PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(2)]
     deadline = time.monotonic() + 120
-    while len(train_losses(tmp_path) if (tmp_path / "metrics.jsonl").exists() else []) < 3:
+    while len(train_losses(run_dir) if (run_dir / "metrics.jsonl").exists() else []) < 3:
         assert time.monotonic() < deadline and procs[0].poll() is None, "training did not start"
         time.sleep(0.2)
+    return procs
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    procs = _start_two(tmp_path)
+    procs[1].send_signal(signal.SIGTERM)
+    stderrs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [EXIT_PREEMPTED, EXIT_PREEMPTED], stderrs[0][-2000:]
+    steps = {int(e.split("stopped at step ")[1].split(";")[0]) for e in stderrs}
+    assert len(steps) == 1, steps  # both processes agreed on one step
+    assert (tmp_path / "checkpoints" / str(steps.pop()) / "commit_success.txt").exists()
+
+
+def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
+    procs = _start_two(tmp_path)
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     _, stderr = procs[0].communicate(timeout=HEARTBEAT_S + 60)
