@@ -1,9 +1,17 @@
-"""Causal self-attention behind one function.
+"""Causal self-attention behind one function, and the choice of kernel.
 
-Every attention call in the model goes through `causal_attention`, so choosing a kernel is a
-decision made here and nowhere else. Today the only kernel is XLA's (`jax.nn.dot_product_attention`
-with implementation='xla'): it runs on every backend and computes the softmax in fp32 even for
-bf16 inputs. The H100 path adds cuDNN flash attention behind the same signature.
+Every attention call in the model goes through `causal_attention`; which kernel runs is decided
+once per run by `select_kernel` from `model.attention`:
+
+    xla    `jax.nn.dot_product_attention(implementation='xla')`: runs everywhere; materialises the
+           [B, H, T, T] scores (fp32 logits and softmax even for bf16 inputs).
+    cudnn  cuDNN's fused flash attention (`implementation='cudnn'`): never materialises the
+           scores, so memory is linear in T and it is several times faster on Hopper. It needs an
+           NVIDIA GPU of compute capability >= 8.0, bf16 or fp16 inputs, and a head dim that is a
+           multiple of 8 and at most 128.
+    auto   cudnn where all of that holds, else xla; the reason is logged once at start-up.
+
+Asking for `cudnn` where it cannot run is a `UserError` raised before compilation.
 
 Letters: B batch, T time (sequence), H heads, K head dim.
 """
@@ -11,10 +19,53 @@ Letters: B batch, T time (sequence), H heads, K head dim.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+from jaxgpt.errors import UserError
+
+KERNELS = ("auto", "xla", "cudnn")
+
+
+def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device | None = None) -> str | None:
+    """Why cuDNN flash attention cannot run here, or None if it can."""
+    device = device or jax.devices()[0]
+    if device.platform != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
+        return f"it needs an NVIDIA GPU (this is {device.platform})"
+    capability = float(getattr(device, "compute_capability", "0") or 0)
+    if capability < 8.0:
+        return f"it needs compute capability >= 8.0 (this GPU has {capability})"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"it needs bf16 or fp16 compute (model.dtype gives {jnp.dtype(dtype).name})"
+    if head_dim % 8 or head_dim > 128:
+        return f"it needs a head dim that is a multiple of 8 and at most 128 (this model has {head_dim})"
+    return None
+
+
+def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int) -> tuple[str, str]:
+    """(kernel, why) for `model.attention`; raises UserError if cudnn is asked for and cannot run."""
+    if requested == "xla":
+        return "xla", "model.attention=xla"
+    reason = cudnn_unavailable_reason(dtype, head_dim)
+    if requested == "cudnn":
+        if reason:
+            raise UserError(f"model.attention=cudnn cannot run here: {reason}; use model.attention=auto or xla")
+        return "cudnn", "model.attention=cudnn"
+    if reason:
+        return "xla", f"auto: cuDNN flash attention unavailable because {reason}"
+    return "cudnn", "auto: NVIDIA GPU, bf16/fp16 and head dim fit cuDNN flash attention"
 
 
 def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, impl: str = "xla") -> jax.Array:
     """softmax(q k^T / sqrt(K) + causal mask) v, returning [B, T, H, K] in the inputs' dtype."""
-    if impl != "xla":
-        raise ValueError(f"unknown attention kernel {impl!r}")
-    return jax.nn.dot_product_attention(q_BTHK, k_BTHK, v_BTHK, is_causal=True, implementation="xla")
+    if impl not in ("xla", "cudnn"):
+        raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
+    return jax.nn.dot_product_attention(q_BTHK, k_BTHK, v_BTHK, is_causal=True, implementation=impl)
+
+
+def reference_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array) -> jax.Array:
+    """The textbook formula in fp32, for tests."""
+    q, k, v = (x.astype(jnp.float32) for x in (q_BTHK, k_BTHK, v_BTHK))
+    T, K = q.shape[1], q.shape[-1]
+    scores_BHTT = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(K)
+    scores_BHTT = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTT, -jnp.inf)
+    return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTT, axis=-1), v).astype(q_BTHK.dtype)

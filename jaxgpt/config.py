@@ -41,7 +41,11 @@ class ModelConfig:
     vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model")
     dtype: str = _f("auto", "compute dtype (parameters stay fp32): auto = bfloat16 on GPU/TPU, float32 on CPU",
                     ("auto", "float32", "bfloat16"))
-    attention: str = _f("xla", "attention kernel", ("xla",))
+    attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
+                        ("auto", "xla", "cudnn"))
+    fp8: bool = _f(False, "run the blocks' linear layers as fp8 matmuls (e4m3 forward, e5m2 gradients)")
+    remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
+                    "outputs (dots, dots_no_batch)", ("none", "full", "dots", "dots_no_batch"))
 
     @property
     def padded_vocab(self) -> int:

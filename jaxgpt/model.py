@@ -19,6 +19,10 @@ shard holds q, k and v of its own heads); a flat [D, 3D] split by columns would 
 all of q. Blocks are created with `nnx.vmap` and run with `nnx.scan`, so the compiled program
 holds one block however deep the model is.
 
+Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_einsum`;
+`model.remat` recomputes each block's activations in the backward pass under a
+`jax.checkpoint` policy (memory for FLOPs); `model.attention` picks the kernel (attention.py).
+
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
 softmax (see attention.py) and the logits are fp32. The vocabulary is padded to a multiple of
 128 for fast matmuls and even tp splits; padded logits are set to -inf so they get no probability
@@ -37,11 +41,26 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgpt.attention import causal_attention
+from jaxgpt.attention import causal_attention, select_kernel
 from jaxgpt.config import ModelConfig
+from jaxgpt.fp8 import fp8_einsum
 from jaxgpt.mesh import shard
 
 STD = 0.02
+
+# model.remat -> what the backward pass may keep from the forward pass of a block
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    """model.dtype -> the dtype matmuls run in ('auto': bf16 on GPU/TPU, fp32 on CPU)."""
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
+    return jnp.dtype(name)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float | None) -> nnx.Param:
@@ -75,16 +94,17 @@ class Attention(nnx.Module):
         self.c_attn_bias = _param(rngs, (3, H, K), ("qkv", "heads", "head_dim"), None)
         self.c_proj_kernel = _param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
-        self.impl = cfg.attention
+        self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim)
+        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        qkv_BT3HK = jnp.einsum("btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt))
+        qkv_BT3HK = self.einsum("btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt))
         qkv_BT3HK = qkv_BT3HK + self.c_attn_bias[...].astype(dt)
         qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
         out_BTHK = causal_attention(q_BTHK, k_BTHK, v_BTHK, impl=self.impl)
-        y_BTD = jnp.einsum("bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt))
+        y_BTD = self.einsum("bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt))
         return y_BTD + self.c_proj_bias[...].astype(dt)
 
 
@@ -95,12 +115,13 @@ class MLP(nnx.Module):
         self.c_fc_bias = _param(rngs, (F,), ("mlp",), None)
         self.c_proj_kernel = _param(rngs, (F, D), ("mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
+        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        h_BTF = x_BTD @ self.c_fc_kernel[...].astype(dt) + self.c_fc_bias[...].astype(dt)
+        h_BTF = self.einsum("btd,df->btf", x_BTD, self.c_fc_kernel[...].astype(dt)) + self.c_fc_bias[...].astype(dt)
         h_BTF = shard(jax.nn.gelu(h_BTF, approximate=True), "batch", "seq", "act_mlp")
-        return h_BTF @ self.c_proj_kernel[...].astype(dt) + self.c_proj_bias[...].astype(dt)
+        return self.einsum("btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt)) + self.c_proj_bias[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -138,9 +159,15 @@ class GPT(nnx.Module):
         x_BTD = (wte_VD[tokens_BT] + self.wpe[...][:T]).astype(dtype)
         x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
 
+        def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
+            return block(x_BTD)
+
+        if self.cfg.remat != "none":
+            apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
+
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
         def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
-            return block(x_BTD)
+            return apply_block(block, x_BTD)
 
         x_BTD = self.ln_f(run_blocks(x_BTD, self.blocks))
         logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.wte[...].astype(dtype),

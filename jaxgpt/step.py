@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config
 from jaxgpt.mesh import named
-from jaxgpt.model import GPT
+from jaxgpt.model import GPT, compute_dtype
 from jaxgpt.optim import lr_schedule, make_optimizer
 
 
@@ -37,12 +37,6 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict[str, Any]
     opt_state: optax.OptState
-
-
-def compute_dtype(name: str) -> jnp.dtype:
-    if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
-    return jnp.dtype(name)
 
 
 def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:

@@ -24,15 +24,16 @@ import numpy as np
 import yaml
 
 from jaxgpt import data, distributed
+from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import MetricsLog, Throughput, mfu, peak_flops
-from jaxgpt.model import param_count
+from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.preemption import StopRequest
-from jaxgpt.step import Setup, TrainState, compute_dtype, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
@@ -95,6 +96,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
     if layout_error:
         raise UserError(layout_error)
+    dtype = compute_dtype(cfg.model.dtype)
+    kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
     data_dir = data.resolve_data_dir(cfg.data.path)
     validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
@@ -130,9 +133,10 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
-                      f"{len(train_tokens):,} train tokens | compute {np.dtype(compute_dtype(m.dtype)).name}",
-                      flush=True)
-            loop = _Loop(cfg, setup, mesh, log, len(devices), peak_flops(devices[0], np.dtype(compute_dtype(m.dtype)).name))
+                      f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
+                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why})", flush=True)
+            precision = "fp8" if m.fp8 else np.dtype(dtype).name
+            loop = _Loop(cfg, setup, mesh, log, len(devices), peak_flops(devices[0], precision))
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
         ckpt.wait()
     finally:

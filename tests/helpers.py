@@ -1,4 +1,4 @@
-"""Shared test helpers: a tiny config and a runner for the real CLI."""
+"""Shared test helpers: a tiny config, a runner for the real CLI, and (from jaxgpt.hlo) HLO reading."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from jaxgpt.config import load_config
+from jaxgpt.hlo import COLLECTIVES, collectives, hlo_computations, while_bodies  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,47 +35,3 @@ def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300) -> s
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
-
-
-# ------------------------------------------------------------------ reading compiled HLO
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def hlo_computations(hlo: str) -> dict[str, str]:
-    """Compiled HLO text -> {computation name: its body text}."""
-    comps, name, lines = {}, None, []
-    for line in hlo.splitlines():
-        if name is None and line.endswith("{") and not line.startswith(" "):
-            name, lines = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%"), []
-        elif name is not None and line == "}":
-            comps[name] = "\n".join(lines)
-            name = None
-        elif name is not None:
-            lines.append(line)
-    return comps
-
-
-def collectives(text: str) -> dict[str, int]:
-    """How many instructions of each collective kind `text` holds (async -start forms included)."""
-    import re
-    found = re.findall(r" (" + "|".join(COLLECTIVES) + r")(?:-start)?\(", text)
-    return {kind: found.count(kind) for kind in COLLECTIVES}
-
-
-def while_bodies(hlo: str) -> list[str]:
-    """Bodies of the while loops (the scanned layers), with the computations they call."""
-    import re
-    comps = hlo_computations(hlo)
-    out = []
-    for body_name in set(re.findall(r"body=%?([\w.\-]+)", hlo)):
-        text, seen, todo = "", set(), [body_name]
-        while todo:
-            c = todo.pop()
-            if c in seen or c not in comps:
-                continue
-            seen.add(c)
-            text += comps[c] + "\n"
-            todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", comps[c])
-        out.append(text)
-    return out

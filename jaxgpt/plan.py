@@ -1,0 +1,199 @@
+"""`python -m jaxgpt.plan [--config FILE] [--mesh dp=2,fsdp=4] [--fake-devices N] [section.key=value ...]`
+
+Will this config and layout fit, and how much will it talk? The train step is compiled ahead of
+time for the mesh, from shapes alone (`jax.eval_shape`: nothing is allocated and nothing trains),
+and the plan reports per device:
+
+    parameters, gradients, optimizer state   from the state's shapes and shardings (exact)
+    arguments, outputs, temporaries, code    from XLA's memory analysis of the compiled step
+    collectives per step                     from the compiled HLO (jaxgpt.hlo), and the time
+                                             their ring traffic takes on common links
+
+`--fake-devices N` plans a layout bigger than this machine: it sets
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` and `JAX_PLATFORMS=cpu` before JAX is
+imported (which is why JAX is imported inside the functions here, not at the top). The step is
+then compiled by XLA:CPU, so its memory analysis and collectives are estimates of what a GPU
+compile would give: XLA:GPU fuses differently, combines small collectives, and turns the fsdp
+gradient all-reduce + slice into a reduce-scatter. The state sizes are exact either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jaxgpt import hlo
+from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.config import Config, help_text, load_config, validate
+from jaxgpt.errors import UserError
+
+GIB, MIB = 2**30, 2**20
+# Bandwidth in one direction, bytes/s: what one device's sends can use.
+LINKS = {"PCIe 4 x16": 25e9, "PCIe 5 x16": 50e9, "NVLink 4 (H100/H200)": 450e9, "InfiniBand 400 Gb/s": 50e9}
+
+
+def abstract_inputs(cfg: Config, mesh, setup) -> tuple[Any, Any]:
+    """The train step's (state, batch) as ShapeDtypeStructs carrying their shardings."""
+    import jax
+    import numpy as np
+
+    from jaxgpt.mesh import named
+    from jaxgpt.step import init_state
+    shapes = jax.eval_shape(lambda: init_state(cfg, setup))
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                 sharding=named(mesh, ("batch", None)))
+    return state, batch
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard)."""
+    import jax
+    import numpy as np
+    return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """XLA's per-device buffer sizes for a compiled step; `peak` = arguments + outputs - aliased
+    (donated inputs reused as outputs) + temporaries + generated code."""
+    m = compiled.memory_analysis()
+    out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+           "aliased": m.alias_size_in_bytes, "temporaries": m.temp_size_in_bytes,
+           "generated_code": m.generated_code_size_in_bytes}
+    out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"] + out["generated_code"]
+    return out
+
+
+def collective_summary(hlo_text: str, n_devices: int) -> dict[str, Any]:
+    ops, unknown = hlo.collective_ops(hlo_text)
+    wire = hlo.wire_bytes(hlo_text, n_devices)
+    return {"bytes": hlo.collective_bytes(hlo_text), "wire_bytes": wire,
+            "count": {k: sum(op.times for op in ops if op.kind == k) for k in hlo.COLLECTIVES},
+            "link_seconds": {link: sum(wire.values()) / bw for link, bw in LINKS.items()},
+            "unknown_trip_counts": sorted(set(unknown))}
+
+
+def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None) -> dict[str, Any]:
+    """Compiles cfg's train step for `devices` without running it; everything the plan prints.
+
+    device_memory_bytes: what one device has (default: its memory_stats()['bytes_limit'], if any).
+    """
+    import jax
+    import numpy as np
+
+    from jaxgpt.mesh import make_mesh
+    from jaxgpt.step import compute_dtype, make_setup, make_train_step
+    sizes = validate(cfg, len(devices))
+    mesh = make_mesh(sizes, list(devices))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state, batch = abstract_inputs(cfg, mesh, setup)
+        compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile()
+    params = per_device_bytes(state.params)
+    if device_memory_bytes is None:
+        device_memory_bytes = (devices[0].memory_stats() or {}).get("bytes_limit")
+    memory = memory_analysis(compiled)
+    return {
+        "mesh": sizes, "devices": len(devices), "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(compute_dtype(cfg.model.dtype)).name,
+        "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
+        "state_bytes": {"parameters": params, "gradients": params,  # fp32, sharded like the parameters
+                        "optimizer_state": per_device_bytes(state.opt_state), "batch": per_device_bytes(batch)},
+        "memory": memory,
+        "collectives": collective_summary(compiled.as_text(), len(devices)),
+        "device_memory_bytes": device_memory_bytes,
+        "fits": None if device_memory_bytes is None else memory["peak"] <= device_memory_bytes,
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:>12,.1f}"
+
+
+def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
+    t, m = cfg.train, cfg.model
+    layout = ",".join(f"{a}={s}" for a, s in p["mesh"].items())
+    kind = "" if p["device_kind"] == p["platform"] else f" ({p['device_kind']})"
+    lines = [f"plan: {name} | mesh {layout} on {p['devices']} {p['platform']} devices{kind} | "
+             f"{t.batch_size} x {m.seq_len} tokens/step in {t.grad_accum} micro-batch(es) | compute {p['compute_dtype']}"]
+    if p["platform"] == "cpu":
+        lines.append("note: compiled by XLA:CPU, so memory and collectives are CPU-compiled estimates; a GPU "
+                     "compile fuses, combines and schedules differently (fsdp grads: reduce-scatter, not all-reduce)")
+    lines += [f"parameters: {p['parameters']:,} ({p['parameters'] / 1e6:.1f}M)", "",
+              f"{'per device':<44}{'MiB':>12}"]
+    s, mem = p["state_bytes"], p["memory"]
+    rows = [("parameters (fp32)", s["parameters"]), ("gradients (fp32, as the parameters)", s["gradients"]),
+            ("optimizer state (AdamW moments)", s["optimizer_state"]), ("batch", s["batch"]),
+            ("compiled step, XLA memory analysis:", None),
+            ("  arguments (state + batch)", mem["arguments"]), ("  outputs (new state + metrics)", mem["outputs"]),
+            ("  aliased (donated state reused)", -mem["aliased"]),
+            ("  temporaries (activations, gradients, work)", mem["temporaries"]),
+            ("  generated code", mem["generated_code"]), ("  total", mem["peak"])]
+    lines += [f"{label:<44}{'' if v is None else _mib(v)}" for label, v in rows]
+    if p["device_memory_bytes"]:
+        verdict = "fits" if p["fits"] else "this would not fit"
+        lines.append(f"{'device memory':<44}{_mib(p['device_memory_bytes'])}   {verdict}")
+    c = p["collectives"]
+    lines += ["", "collectives per step (count: executions; MiB: result size per device; wire MiB: what each "
+              "device sends with ring algorithms)",
+              f"{'kind':<20}{'count':>8}{'MiB':>12}{'wire MiB':>12}"]
+    lines += [f"{k:<20}{c['count'][k]:>8}{_mib(c['bytes'][k])}{_mib(c['wire_bytes'][k])}"
+              for k in hlo.COLLECTIVES if c["count"][k]] or ["(none)"]
+    if c["unknown_trip_counts"]:
+        lines.append(f"warning: loop trip count unreadable ({', '.join(c['unknown_trip_counts'])}): counted "
+                     "once, a lower bound")
+    lines += ["", "time to send the wire bytes over one link, no overlap with compute:",
+              "| link | GB/s | ms per step |", "| --- | --- | --- |"]
+    lines += [f"| {link} | {LINKS[link] / 1e9:.0f} | {1e3 * sec:,.2f} |" for link, sec in c["link_seconds"].items()]
+    return "\n".join(lines)
+
+
+def _fake_devices(n: int) -> None:
+    """N CPU devices: must happen before JAX is imported, which reads these once."""
+    if n < 1:
+        raise UserError(f"--fake-devices must be positive, got {n}")
+    if "jax" in sys.modules:
+        raise UserError("--fake-devices must be set before JAX is imported; run python -m jaxgpt.plan")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _main(argv: Sequence[str] | None) -> None:
+    parser = ArgumentParser(
+        prog="python -m jaxgpt.plan", description="Compile the train step for a mesh and report memory and "
+        "communication per device, without training.", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=help_text())
+    parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
+    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
+    parser.add_argument("--fake-devices", type=int, help="plan for N CPU devices (layouts bigger than this machine)")
+    parser.add_argument("--device-memory-gib", type=float,
+                        help="warn when a device needs more than this (default: the device's own, if it says)")
+    parser.add_argument("--json", help="also write the plan to this file")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    args = parser.parse_intermixed_args(argv)
+    cfg = load_config(args.config, args.overrides, args.mesh)
+    if args.fake_devices is not None:
+        _fake_devices(args.fake_devices)
+    import jax
+    limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
+    result = plan(cfg, jax.devices(), limit)
+    print(format_plan(result, args.config or "shakespeare", cfg), flush=True)
+    if result["fits"] is False:
+        print(f"warning: this would not fit: {result['memory']['peak'] / GIB:.2f} GiB per device > "
+              f"{result['device_memory_bytes'] / GIB:.2f} GiB", file=sys.stderr, flush=True)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""How fast does one config train on one mesh, what does it hold and move per device, and does the
+input pipeline keep up?
+
+    python scripts/benchmark.py --mesh dp=1                       # the default config, one device
+    python scripts/benchmark.py --config gpt2-124m --mesh dp=1 train.batch_size=1 train.grad_accum=1 --steps 3
+    python scripts/benchmark.py --config gpt2-124m --mesh fsdp=8 --json bench.json
+
+Same arguments as `python -m jaxgpt.train` (no run dir: nothing is saved), plus --steps, --warmup,
+--input-batches and --json. It builds the real train state and the real jitted step (state
+donated, as in training) and reports:
+
+    compile s        lowering + compiling the step (state initialisation not included)
+    step ms          median, p10 and p90 (and min/max in the JSON) of --steps steps after --warmup,
+                     each timed from dispatch to block_until_ready on the new state and metrics
+    tokens/s         global batch x seq_len / the median step
+    MFU              jaxgpt.metrics.mfu at that rate; null where the peak FLOP/s is unknown (CPU)
+    mem/device MiB   XLA's memory analysis of the compiled step: arguments + outputs - aliased
+                     (donated) + temporaries + code
+    collective MiB   result bytes per device per step, all kinds (jaxgpt.hlo; per kind in the JSON)
+    input tokens/s   the Grain pipeline alone (jaxgpt.data.train_iterator on the config's data,
+                     batch and seq_len), on this host, over --input-batches batches after the
+                     first; and its ratio to what the step consumes per host (>= 10x is healthy)
+
+The batches fed to the step are real data, read and placed on the devices before timing, so the
+step time excludes the input pipeline, which is measured on its own. Prints one JSON object and
+one markdown row:
+| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxgpt import data, distributed, plan
+from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.config import Config, help_text, load_config, validate
+from jaxgpt.errors import UserError
+from jaxgpt.mesh import make_mesh, named
+from jaxgpt.metrics import mfu, peak_flops
+from jaxgpt.step import compute_dtype, init_state, make_setup, make_train_step
+
+
+def input_tokens_per_sec(cfg: Config, tokens: np.ndarray, n_batches: int) -> float:
+    """Tokens/s this process's Grain pipeline delivers on its own, after its first batch."""
+    batches = data.train_iterator(tokens, seq_len=cfg.model.seq_len, global_batch=cfg.train.batch_size,
+                                  seed=cfg.train.seed, process_index=jax.process_index(),
+                                  process_count=jax.process_count(), prefetch=cfg.data.prefetch,
+                                  num_threads=cfg.data.num_threads)
+    rows = next(batches).shape[0]  # starts the reader threads
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        next(batches)
+    return n_batches * rows * cfg.model.seq_len / (time.perf_counter() - t0)
+
+
+def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
+    devices = distributed.ordered_devices()
+    data_dir = data.resolve_data_dir(cfg.data.path)
+    sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
+    tokens = data.load_split(data_dir, "train")
+    t, m = cfg.train, cfg.model
+    mesh = make_mesh(sizes, devices)
+    batch_sharding = named(mesh, ("batch", None))
+    feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+    batches = [jax.make_array_from_process_local_data(batch_sharding, next(feed), (t.batch_size, m.seq_len + 1))
+               for _ in range(warmup + steps)]
+    del feed
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state = jax.block_until_ready(init_state(cfg, setup))
+        t0 = time.perf_counter()
+        compiled = make_train_step(cfg, mesh, setup).lower(state, batches[0]).compile()
+        compile_s = time.perf_counter() - t0
+        times, losses = [], []
+        for i, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            state, metrics = compiled(state, batch)  # the old state is donated
+            jax.block_until_ready((state, metrics))
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            losses.append(float(metrics["loss"]))
+    if not all(map(math.isfinite, losses)):
+        raise UserError(f"the loss became non-finite during the benchmark: {losses}")
+
+    step_s = float(np.median(times))
+    tokens_per_step = t.batch_size * m.seq_len
+    rate = tokens_per_step / step_s
+    dtype = np.dtype(compute_dtype(m.dtype)).name
+    peak = peak_flops(devices[0], "fp8" if getattr(m, "fp8", False) else dtype)
+    input_rate = input_tokens_per_sec(cfg, tokens, input_batches)
+    collectives = plan.collective_summary(compiled.as_text(), len(devices))
+    return {
+        "mesh": sizes, "devices": len(devices), "processes": jax.process_count(),
+        "device_kind": devices[0].device_kind, "compute_dtype": dtype, "parameters": int(sum(
+            x.size for x in jax.tree.leaves(state.params))),
+        "tokens_per_step": tokens_per_step, "steps": steps, "warmup": warmup, "compile_s": compile_s,
+        "step_ms": {"median": 1e3 * step_s, "p10": 1e3 * float(np.percentile(times, 10)),
+                    "p90": 1e3 * float(np.percentile(times, 90)), "min": 1e3 * min(times),
+                    "max": 1e3 * max(times)},
+        "tokens_per_sec": rate, "mfu": mfu(rate, m, len(devices), peak),
+        "memory": plan.memory_analysis(compiled),
+        "collective_bytes": collectives["bytes"], "collective_wire_bytes": collectives["wire_bytes"],
+        "collective_count": collectives["count"],
+        "input_tokens_per_sec": input_rate,
+        "input_ratio": input_rate / (rate / jax.process_count()),  # one host's pipeline vs its share
+        "loss_first_last": [losses[0], losses[-1]],
+    }
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def markdown_row(name: str, r: dict) -> str:
+    layout = ",".join(f"{a}={s}" for a, s in r["mesh"].items() if s > 1) or "dp=1"
+    ms = r["step_ms"]
+    mfu_s = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    return (f"| {name} | {layout} | {r['devices']} | {r['compile_s']:.1f} | {ms['median']:,.1f} "
+            f"({ms['p10']:,.1f}-{ms['p90']:,.1f}) | {r['tokens_per_sec']:,.0f} | {mfu_s} | "
+            f"{r['memory']['peak'] / 2**20:,.0f} | {sum(r['collective_bytes'].values()) / 2**20:,.1f} | "
+            f"{r['input_tokens_per_sec']:,.0f} ({r['input_ratio']:,.0f}x) |")
+
+
+def _main(argv: Sequence[str] | None) -> None:
+    parser = ArgumentParser(prog="python scripts/benchmark.py", description=__doc__.splitlines()[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text())
+    parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
+    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
+    parser.add_argument("--input-batches", type=int, default=50, help="batches timed from the input pipeline")
+    parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    args = parser.parse_intermixed_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.input_batches < 1:
+        raise UserError("--steps and --input-batches must be positive and --warmup not negative")
+    cfg = load_config(args.config, args.overrides, args.mesh)
+    distributed.initialize()
+    result = {"config": args.config or "shakespeare", "overrides": args.overrides, "commit": _commit(),
+              "date": datetime.date.today().isoformat(), **benchmark(cfg, args.steps, args.warmup, args.input_batches)}
+    if jax.process_index() == 0:
+        print(json.dumps(result), flush=True)
+        print(markdown_row(result["config"], result), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(_main))

@@ -1,0 +1,125 @@
+"""Attention kernels, fp8 matmuls and remat: each is checked against the plain computation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_cli, tiny_config, train_losses
+
+from jaxgpt.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
+from jaxgpt.config import validate
+from jaxgpt.errors import UserError
+from jaxgpt.fp8 import E4M3, E5M2, _qdq, fp8_einsum
+from jaxgpt.mesh import make_mesh, named
+from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.train import train
+
+
+def _qkv(dtype, B=2, T=64, H=4, K=32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return [jax.random.normal(k, (B, T, H, K), jnp.float32).astype(dtype) for k in keys]
+
+
+KERNEL_CASES = [("xla", jnp.float32, 1e-5), ("xla", jnp.bfloat16, 2e-2), ("cudnn", jnp.bfloat16, 2e-2)]
+
+
+@pytest.mark.parametrize("impl, dtype, atol", KERNEL_CASES)
+def test_kernel_matches_reference_forward_and_gradients(impl, dtype, atol):
+    """Forward and d/d(q, k, v) of each kernel against the textbook formula in fp32. The bf16
+    bound is bf16's rounding (~3 significant digits) on values of order 1."""
+    if impl == "cudnn" and cudnn_unavailable_reason(dtype, 32):
+        pytest.skip(f"cuDNN flash attention cannot run here: {cudnn_unavailable_reason(dtype, 32)}")
+    q, k, v = _qkv(dtype)
+    out = causal_attention(q, k, v, impl=impl)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference_attention(q, k, v), np.float32),
+                               atol=atol, rtol=0)
+    w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
+    got = jax.grad(loss(lambda *a: causal_attention(*a, impl=impl)), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=5 * atol, rtol=0)
+
+
+def test_auto_falls_back_to_xla_with_a_reason_and_cudnn_is_refused_on_cpu():
+    kernel, why = select_kernel("auto", jnp.bfloat16, 64)
+    assert kernel == "xla" and "NVIDIA GPU" in why
+    with pytest.raises(UserError, match="model.attention=cudnn cannot run here"):
+        select_kernel("cudnn", jnp.bfloat16, 64)
+    proc = run_cli("--mesh", "dp=8", "model.attention=cudnn", "train.steps=1")
+    assert proc.returncode == 2 and "cannot run here" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_qdq_rounds_to_representable_fp8_values():
+    x = jax.random.normal(jax.random.key(1), (256, 64), jnp.float32) * 3.0
+    for fmt, rel in [(E4M3, 2.0 ** -4), (E5M2, 2.0 ** -3)]:  # half an ulp: 3 and 2 mantissa bits
+        y = _qdq(x, fmt)
+        scale = float(jnp.max(jnp.abs(x))) / float(jnp.finfo(fmt).max)
+        assert np.array_equal(np.asarray((y / scale).astype(fmt).astype(jnp.float32) * scale), np.asarray(y))
+        normal = jnp.abs(x) > 2.0 ** -4 * jnp.max(jnp.abs(x))  # away from the subnormal range
+        assert float(jnp.max(jnp.where(normal, jnp.abs(y - x) / jnp.abs(x), 0))) <= rel * 1.0001
+        assert float(jnp.max(jnp.abs(y))) == pytest.approx(float(jnp.max(jnp.abs(x))), rel=1e-6)
+
+
+def test_fp8_einsum_gradients_are_e5m2_rounded_and_close():
+    x = jax.random.normal(jax.random.key(2), (8, 16, 32))
+    w = jax.random.normal(jax.random.key(3), (32, 24)) * 0.1
+    f = lambda g: lambda x, w: jnp.sum(jnp.sin(g("btd,df->btf", x, w)))  # noqa: E731
+    y_fp8, y = fp8_einsum("btd,df->btf", x, w), jnp.einsum("btd,df->btf", x, w)
+    assert float(jnp.linalg.norm(y_fp8 - y) / jnp.linalg.norm(y)) < 0.05  # e4m3: ~3% per product
+    gx8, gw8 = jax.grad(f(fp8_einsum), argnums=(0, 1))(x, w)
+    gx, gw = jax.grad(f(jnp.einsum), argnums=(0, 1))(x, w)
+    for a, b in [(gx8, gx), (gw8, gw)]:
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 0.1  # e5m2 gradient: ~6% per element
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(tmp_path_factory, shakespeare_dir):
+    run_dir = tmp_path_factory.mktemp("no-fp8")
+    train(tiny_config("train.steps=20", "optimizer.warmup_steps=5", mesh="dp=8"), run_dir)
+    return train_losses(run_dir)
+
+
+def test_fp8_training_stays_close(fp32_losses, tmp_path):
+    """20 steps of the tiny model with fp8 matmuls track the same run without: every loss within
+    1% (the loss falls ~5% over the run, so a broken fp8 path would show)."""
+    train(tiny_config("train.steps=20", "optimizer.warmup_steps=5", "model.fp8=true", mesh="dp=8"), tmp_path)
+    fp8 = train_losses(tmp_path)
+    assert fp32_losses[-1] < fp32_losses[0] - 0.3
+    np.testing.assert_allclose(fp8, fp32_losses, rtol=0.01)
+
+
+def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
+    """fp8 on dp=2,fsdp=2,tp=2 vs one device: the per-tensor amax is a global max (exact under any
+    sharding), but a different fp32 summation order can move a value across an fp8 rounding
+    boundary, so the bound is looser than the fp32 layouts' 1e-4: 1e-3 on losses of ~10.8."""
+    losses = {}
+    for layout, devices in [("dp=1", jax.devices()[:1]), ("dp=2,fsdp=2,tp=2", None)]:
+        run_dir = tmp_path / layout
+        train(tiny_config("train.steps=5", "model.fp8=true", mesh=layout), run_dir, devices=devices)
+        losses[layout] = train_losses(run_dir)
+    np.testing.assert_allclose(losses["dp=2,fsdp=2,tp=2"], losses["dp=1"], rtol=0, atol=1e-3)
+
+
+def _temp_bytes_and_loss(remat: str) -> tuple[int, float]:
+    cfg = tiny_config(f"model.remat={remat}", "model.n_layer=4", "model.seq_len=64", "train.batch_size=32",
+                      mesh="dp=8")
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state = init_state(cfg, setup)
+        step = make_train_step(cfg, mesh, setup)
+        batch = jax.device_put(jax.random.randint(jax.random.key(0), (32, 65), 0, 50257), named(mesh, ("batch", None)))
+        temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        _, metrics = step(state, batch)
+    return temp, float(metrics["loss"])
+
+
+def test_remat_lowers_temp_memory_without_changing_the_loss():
+    none_temp, none_loss = _temp_bytes_and_loss("none")
+    full_temp, full_loss = _temp_bytes_and_loss("full")
+    dots_temp, dots_loss = _temp_bytes_and_loss("dots")
+    assert full_temp < none_temp and dots_temp <= none_temp
+    assert full_loss == pytest.approx(none_loss, abs=1e-5) and dots_loss == pytest.approx(none_loss, abs=1e-5)

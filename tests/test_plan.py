@@ -1,0 +1,144 @@
+"""The planner and the benchmark: per-device memory follows the layout, collective bytes are read
+exactly from HLO (loops multiplied by their trip counts), and both commands run end to end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+from helpers import REPO, TINY, run_cli, tiny_config
+
+from jaxgpt.cli import EXIT_USER_ERROR
+from jaxgpt.hlo import collective_bytes, collective_ops, wire_bytes
+from jaxgpt.model import param_count
+from jaxgpt.plan import plan
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, dict]:
+    return {layout: plan(tiny_config(mesh=layout), jax.devices()) for layout in ("dp=8", "fsdp=8")}
+
+
+def test_fsdp_holds_an_eighth_of_what_dp_holds(plans):
+    """fsdp=8 splits every parameter with a D dimension 8 ways; only the QKV and MLP-in biases (no D
+    axis, 7D floats per layer) stay whole, which is far below 1% of the tiny model."""
+    dp, fsdp = plans["dp=8"], plans["fsdp=8"]
+    assert dp["parameters"] == fsdp["parameters"] == param_count(tiny_config().model)
+    assert dp["state_bytes"]["parameters"] == 4 * dp["parameters"]  # fp32, replicated
+    for part in ("parameters", "gradients", "optimizer_state"):
+        assert fsdp["state_bytes"][part] == pytest.approx(dp["state_bytes"][part] / 8, rel=0.01), part
+    assert fsdp["memory"]["arguments"] < dp["memory"]["arguments"] / 4
+
+
+def test_collectives_follow_the_layout(plans):
+    """dp: gradients all-reduced (at least every parameter once), nothing gathered. fsdp: every
+    sharded weight gathered at least once before use."""
+    dp, fsdp = plans["dp=8"]["collectives"], plans["fsdp=8"]["collectives"]
+    full = plans["dp=8"]["state_bytes"]["parameters"]
+    assert dp["bytes"]["all-gather"] == 0 and dp["bytes"]["all-reduce"] >= full
+    assert fsdp["bytes"]["all-gather"] >= 0.99 * full
+    assert fsdp["bytes"]["all-reduce"] + fsdp["bytes"]["reduce-scatter"] > 0
+    assert not dp["unknown_trip_counts"] and not fsdp["unknown_trip_counts"]
+
+
+HLO = """HloModule snippet, entry_computation_layout={(f32[8,16]{1,0}, bf16[4]{0})->f32[8,16]{1,0}}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %ag = f32[8,16]{1,0} all-gather(%x), channel_id=3, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%i, %ag)
+}
+
+%cond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (x: f32[8,16], y: bf16[4]) -> f32[8,16] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %y = bf16[4]{0} parameter(1)
+  %ar = (f32[8,16]{1,0}, bf16[4]{0}) all-reduce(%x, %y), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  %rs = f32[2]{0} reduce-scatter(%x), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  %cp-start = (f32[3]{0}, f32[3]{0}, u32[], u32[]) collective-permute-start(%x), source_target_pairs={{0,1},{1,0}}
+  %cp-done = f32[3]{0} collective-permute-done(%cp-start)
+  %g-start = (pred[10]{0}, pred[80]{0}) all-gather-start(%y), replica_groups=mesh['a'=8] {'a'}, dimensions={0}
+  %g-done = pred[80]{0} all-gather-done(%g-start)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %x)
+  %w = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %out = f32[8,16]{1,0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_collective_bytes_of_a_hand_written_snippet():
+    """Tuple results summed (512 + 8), a loop body counted per iteration (512 x 5), async pairs
+    counted once at -done, element sizes from the dtype (pred: 1 byte)."""
+    assert collective_bytes(HLO) == {"all-reduce": 8 * 16 * 4 + 4 * 2, "all-gather": 8 * 16 * 4 * 5 + 80,
+                                     "reduce-scatter": 2 * 4, "all-to-all": 0, "collective-permute": 3 * 4}
+    # ring traffic: all-reduce 2(n-1)/n over groups of 4, all-gather (n-1)/n over 8, reduce-scatter n-1
+    assert wire_bytes(HLO, n_devices=8) == {"all-reduce": 780, "all-gather": 2240 + 70, "reduce-scatter": 24,
+                                           "all-to-all": 0, "collective-permute": 12}
+
+
+def test_trip_count_from_the_condition_or_counted_once_with_a_warning():
+    no_config = HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
+    assert collective_bytes(no_config)["all-gather"] == 512 * 3 + 80  # the condition's constant
+    unreadable = no_config.replace("%n = s32[] constant(3)", "%n = s32[] constant(3)\n  %m = s32[] constant(4)")
+    assert collective_ops(unreadable)[1] == ["body"]
+    with pytest.warns(UserWarning, match="lower bound"):
+        assert collective_bytes(unreadable)["all-gather"] == 512 + 80
+
+
+def test_plan_command_prints_the_plan():
+    proc = run_cli("--mesh", "dp=8", *TINY, module="jaxgpt.plan")
+    assert proc.returncode == 0, proc.stderr
+    assert f"parameters: {param_count(tiny_config().model):,}" in proc.stdout
+    for link in ("PCIe 4 x16", "PCIe 5 x16", "NVLink 4", "InfiniBand 400 Gb/s"):
+        assert f"| {link}" in proc.stdout
+    assert "all-reduce" in proc.stdout and "CPU-compiled estimates" in proc.stdout
+
+
+def test_plan_command_fakes_devices_and_warns_when_it_does_not_fit():
+    proc = run_cli("--fake-devices", "2", "--mesh", "fsdp=2", "--device-memory-gib", "0.001", *TINY,
+                   module="jaxgpt.plan")
+    assert proc.returncode == 0, proc.stderr
+    assert "on 2 cpu devices" in proc.stdout
+    assert "this would not fit" in proc.stdout and "this would not fit" in proc.stderr
+
+
+def test_plan_command_bad_mesh_is_one_line():
+    proc = run_cli("--mesh", "dp=3", *TINY, module="jaxgpt.plan")
+    assert proc.returncode == EXIT_USER_ERROR
+    assert "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        "error: mesh dp=3,fsdp=1,tp=1 has 3 devices but 8 are available"]
+
+
+def test_benchmark_smoke(tmp_path, shakespeare_dir):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "scripts/benchmark.py", "--mesh", "dp=8", *TINY, "--steps", "2",
+                           "--warmup", "1", "--input-batches", "5", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    for key in ("compile_s", "step_ms", "tokens_per_sec", "mfu", "memory", "collective_bytes",
+                "input_tokens_per_sec", "input_ratio", "devices", "mesh", "commit"):
+        assert key in r, key
+    assert r["devices"] == 8 and r["mfu"] is None  # no peak FLOP/s for CPUs
+    assert set(r["step_ms"]) >= {"median", "p10", "p90"}
+    assert r["collective_bytes"]["all-reduce"] > 0 and r["memory"]["peak"] > 0
+    assert proc.stdout.strip().splitlines()[-1].startswith("| shakespeare | dp=8 | 8 |")
