@@ -102,6 +102,7 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
+    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2 weights (a dir with config.json + model.safetensors)")
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import data, distributed
+from jaxgpt import data, distributed, hf
 from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
@@ -74,6 +74,11 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
         _say(f"starting from the parameters of {other.path} (fresh optimizer, step 0)")
         fresh = init_state(cfg, setup)
         return TrainState(fresh.step, other.state.params, fresh.opt_state), None
+    if cfg.checkpoint.init_from_hf:
+        params = hf.load_dir(Path(cfg.checkpoint.init_from_hf), cfg.model)
+        _say(f"starting from the Hugging Face GPT-2 weights in {cfg.checkpoint.init_from_hf}")
+        fresh = init_state(cfg, setup)
+        return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None
     return init_state(cfg, setup), None
 
 

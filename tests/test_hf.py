@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import run_cli, tiny_config
+from helpers import read_metrics, run_cli, tiny_config
 from safetensors.numpy import save_file
 
 from jaxgpt.cli import EXIT_USER_ERROR
@@ -169,3 +169,17 @@ def test_transformers_loads_the_export(model, tmp_path):
         theirs_BTV = hf_model(torch.as_tensor(tokens_BT)).logits.numpy()
     ours_BTV = np.asarray(nnx.merge(graphdef, params)(tokens_BT))[..., : cfg.model.vocab_size]
     np.testing.assert_allclose(ours_BTV, theirs_BTV, rtol=0, atol=ATOL)
+
+
+def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir):
+    """checkpoint.init_from_hf: the first step of a new run uses exactly the imported weights."""
+    source = tmp_path / "source"
+    train(tiny_config("train.steps=3", mesh="dp=8"), source)
+    export(source, tmp_path / "hf")
+    run = tmp_path / "finetune"
+    state = train(tiny_config("train.steps=1", f"checkpoint.init_from_hf={tmp_path / 'hf'}", "optimizer.lr=1e-12",
+                              mesh="fsdp=4,tp=2"), run)
+    want = load_dir(tmp_path / "hf", tiny_config().model)
+    np.testing.assert_allclose(np.asarray(state.params["blocks"]["mlp"]["c_fc_kernel"]),
+                               want["blocks"]["mlp"]["c_fc_kernel"], atol=1e-9)
+    assert int(state.step) == 1 and read_metrics(run)[-1]["step"] == 1
