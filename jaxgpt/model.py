@@ -36,6 +36,7 @@ residual stream.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,24 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...],
     return nnx.Param(value, logical_axes=axes)
 
 
+class KV(NamedTuple):
+    """One layer's cached keys and values, [B, S, H, K] (S = seq_len slots)."""
+    k: jax.Array
+    v: jax.Array
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, [L, B, S, H, K], and the next position to write."""
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array  # int32 scalar
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> KVCache:
+        shape = (cfg.n_layer, batch, cfg.seq_len, cfg.n_head, cfg.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, d: int, rngs: nnx.Rngs):
         self.scale = _param(rngs, (d,), ("embed",), 0)
@@ -97,15 +116,27 @@ class Attention(nnx.Module):
         self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim)
         self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+        """Training: x -> y. Decoding (kv given): the T new positions start at `pos`; they attend
+        to the cache [B, S, H, K] updated with their own keys/values; returns (y, new kv)."""
         dt = x_BTD.dtype
         qkv_BT3HK = self.einsum("btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt))
         qkv_BT3HK = qkv_BT3HK + self.c_attn_bias[...].astype(dt)
         qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
-        out_BTHK = causal_attention(q_BTHK, k_BTHK, v_BTHK, impl=self.impl)
+        if kv is None:
+            out_BTHK = causal_attention(q_BTHK, k_BTHK, v_BTHK, impl=self.impl)
+        else:
+            k_BSHK = jax.lax.dynamic_update_slice(kv.k, k_BTHK.astype(kv.k.dtype), (0, pos, 0, 0))
+            v_BSHK = jax.lax.dynamic_update_slice(kv.v, v_BTHK.astype(kv.v.dtype), (0, pos, 0, 0))
+            T, S = x_BTD.shape[1], k_BSHK.shape[1]
+            visible_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and unwritten slots hidden
+            out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSHK.astype(dt), v_BSHK.astype(dt),
+                                                    mask=visible_TS[None, None], implementation="xla")
+            kv = KV(k_BSHK, v_BSHK)
         y_BTD = self.einsum("bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt))
-        return y_BTD + self.c_proj_bias[...].astype(dt)
+        y_BTD = y_BTD + self.c_proj_bias[...].astype(dt)
+        return y_BTD if kv is None else (y_BTD, kv)
 
 
 class MLP(nnx.Module):
@@ -131,10 +162,15 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(cfg.n_embd, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+        if kv is None:
+            x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+        else:
+            y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos)
+            x_BTD = x_BTD + y_BTD
         x_BTD = x_BTD + self.mlp(self.ln_2(x_BTD))
-        return shard(x_BTD, "batch", "seq", "act_embed")
+        x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
+        return x_BTD if kv is None else (x_BTD, kv)
 
 
 class GPT(nnx.Module):
@@ -151,13 +187,24 @@ class GPT(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.ln_f = LayerNorm(cfg.n_embd, rngs)
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-        """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf)."""
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32,
+                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+        """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
+        With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns."""
         T = tokens_BT.shape[1]
+        pos = 0 if cache is None else cache.pos
         # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
         wte_VD = shard(self.wte[...], "vocab", None)
-        x_BTD = (wte_VD[tokens_BT] + self.wpe[...][:T]).astype(dtype)
+        wpe_TD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, T)
+        x_BTD = (wte_VD[tokens_BT] + wpe_TD).astype(dtype)
         x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
+        if cache is not None:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def run_cached(x_BTD: jax.Array, block: Block, kv: KV):
+                return block(x_BTD, kv, cache.pos)
+
+            x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
+            return self._logits(x_BTD, dtype), KVCache(kv.k, kv.v, cache.pos + T)
 
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
             return block(x_BTD)
@@ -169,7 +216,10 @@ class GPT(nnx.Module):
         def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
             return apply_block(block, x_BTD)
 
-        x_BTD = self.ln_f(run_blocks(x_BTD, self.blocks))
+        return self._logits(run_blocks(x_BTD, self.blocks), dtype)
+
+    def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        x_BTD = self.ln_f(x_BTD)
         logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.wte[...].astype(dtype),
                                 preferred_element_type=jnp.float32)
         logits_BTV = shard(logits_BTV, "batch", "seq", "act_vocab")

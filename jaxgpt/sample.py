@@ -1,0 +1,154 @@
+"""`python -m jaxgpt.sample RUN_DIR [--prompt TEXT | --prompt-file F] [options]`: text from a checkpoint.
+
+Generation uses a KV cache: one jitted prefill runs the prompt through the model and fills every
+layer's keys and values; then a jitted decode step feeds one token per sample, attends to the
+cache, and writes its own key/value at the next slot. Each new token costs one position's work
+instead of re-running the whole sequence (tests check both give the same tokens).
+
+Sampling: logits / temperature, then top-k (keep the k most likely), then top-p (keep the smallest
+set whose probability reaches p), then a categorical draw from the seed. temperature=0 is greedy.
+
+With one sample the text is streamed as it is generated; with several, each is printed when done.
+`--mesh` shards the parameters by the same table as training, so a model too big for one device
+samples across several; the samples themselves are small and left replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.config import Config, mesh_shape, parse_mesh
+from jaxgpt.errors import UserError
+from jaxgpt.mesh import make_mesh
+from jaxgpt.model import GPT, KVCache, compute_dtype
+from jaxgpt.step import make_setup
+from jaxgpt.tokenizer import gpt2_encoding
+
+
+def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """Temperature, top-k and top-p applied to fp32 logits; removed entries become -inf."""
+    logits_BV = logits_BV / temperature
+    if 0 < top_k < logits_BV.shape[-1]:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if top_p < 1.0:
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+        cum_BV = jnp.cumsum(jax.nn.softmax(sorted_BV, axis=-1), axis=-1)
+        # the smallest logit still inside the nucleus (the first one always is)
+        cutoff_B1 = jnp.take_along_axis(sorted_BV, jnp.sum(cum_BV < top_p, axis=-1, keepdims=True), axis=-1)
+        logits_BV = jnp.where(logits_BV < cutoff_B1, -jnp.inf, logits_BV)
+    return logits_BV
+
+
+def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    if temperature == 0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filter_logits(logits_BV, temperature, top_k, top_p)).astype(jnp.int32)
+
+
+def generate(graphdef: nnx.GraphDef, params: dict, cfg: Config, prompt_BT: np.ndarray, max_new_tokens: int, *,
+             temperature: float = 0.8, top_k: int = 200, top_p: float = 1.0, seed: int = 0) -> Iterator[np.ndarray]:
+    """Yields the next token of every sample, [B], max_new_tokens times (KV-cached)."""
+    B, T = prompt_BT.shape
+    if T + max_new_tokens > cfg.model.seq_len:
+        raise UserError(f"the prompt ({T} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
+                        f"context of {cfg.model.seq_len} tokens")
+    dtype = compute_dtype(cfg.model.dtype)
+    pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    @jax.jit
+    def prefill(params, tokens_BT, key):
+        logits_BTV, cache = nnx.merge(graphdef, params)(tokens_BT, dtype, KVCache.empty(cfg.model, B, dtype))
+        return pick(logits_BTV[:, -1], key), cache
+
+    @partial(jax.jit, donate_argnums=2)
+    def decode(params, token_B, cache, key):
+        logits_BTV, cache = nnx.merge(graphdef, params)(token_B[:, None], dtype, cache)
+        return pick(logits_BTV[:, -1], key), cache
+
+    keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+    token_B, cache = prefill(params, jnp.asarray(prompt_BT, jnp.int32), keys[0])
+    yield np.asarray(token_B)
+    for i in range(1, max_new_tokens):
+        token_B, cache = decode(params, token_B, cache, keys[i])
+        yield np.asarray(token_B)
+
+
+def _sample(argv: Sequence[str] | None) -> None:
+    from jaxgpt.hf import restore_params  # restores the newest readable checkpoint on one device
+
+    parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint.")
+    parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file instead")
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=200, help="0 = no top-k filter")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-samples", type=int, default=1)
+    parser.add_argument("--mesh", help="shard the parameters over this mesh, e.g. tp=2 or fsdp=8")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        raise UserError("--max-new-tokens and --num-samples must be >= 1, --temperature >= 0, --top-p in (0, 1]")
+    if args.prompt_file is not None:
+        if not args.prompt_file.is_file():
+            raise UserError(f"--prompt-file {args.prompt_file} does not exist")
+        args.prompt = args.prompt_file.read_text()
+    params, cfg, step = restore_params(args.run)
+    if args.mesh:
+        params = _shard(params, cfg, args.mesh)
+    enc = gpt2_encoding()
+    prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
+    prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
+    tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    print(f"# {args.run} (step {step}), {args.num_samples} sample(s) of {args.max_new_tokens} tokens", file=sys.stderr)
+    if args.num_samples == 1:
+        out, shown = [], ""
+        sys.stdout.write(args.prompt)
+        for token_B in tokens:
+            out.append(int(token_B[0]))
+            text = enc.decode(out)
+            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                sys.stdout.write(text[len(shown):])
+                sys.stdout.flush()
+                shown = text
+        sys.stdout.write("\n")
+        return
+    columns = np.stack(list(tokens), axis=1)
+    for i, row in enumerate(columns):
+        print(f"--- sample {i + 1}\n{args.prompt}{enc.decode(row.tolist())}")
+
+
+def _shard(params: dict, cfg: Config, spec: str) -> dict:
+    """Places the parameters on a mesh of all devices, sharded as in training."""
+    try:
+        sizes = {key.split(".")[1]: int(size) for key, size in parse_mesh(spec).items()}
+    except ValueError:
+        raise UserError(f"--mesh {spec}: axis sizes must be integers") from None
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes))
+    shape = mesh_shape(cfg.mesh, jax.device_count())
+    for axis, dim, name in [("tp", cfg.model.n_head, "model.n_head"), ("fsdp", cfg.model.n_embd, "model.n_embd")]:
+        if dim % shape[axis]:
+            raise UserError(f"--mesh {spec}: {axis}={shape[axis]} does not divide {name}={dim}")
+    return jax.device_put(params, make_setup(cfg, make_mesh(shape)).shardings.params)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_sample, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
