@@ -119,7 +119,8 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     layout = ",".join(f"{a}={s}" for a, s in p["mesh"].items())
     kind = "" if p["device_kind"] == p["platform"] else f" ({p['device_kind']})"
     lines = [f"plan: {name} | mesh {layout} on {p['devices']} {p['platform']} devices{kind} | "
-             f"{t.batch_size} x {m.seq_len} tokens/step in {t.grad_accum} micro-batch(es) | compute {p['compute_dtype']}"]
+             f"{t.batch_size} x {m.seq_len} tokens/step in {t.grad_accum} micro-batch(es) | "
+             f"compute {p['compute_dtype']}"]
     if p["platform"] == "cpu":
         lines.append("note: compiled by XLA:CPU, so memory and collectives are CPU-compiled estimates; a GPU "
                      "compile fuses, combines and schedules differently (fsdp grads: reduce-scatter, not all-reduce)")
