@@ -108,6 +108,31 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class LoggingConfig:
     every: int = _f(10, "log train metrics every N steps")
+    tensorboard: bool = _f(True, "also write the metrics as TensorBoard event files to RUN_DIR/tb/")
+    wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE etc. apply)")
+    wandb_project: str = _f("jaxgpt", "W&B project for logging.wandb=true")
+    progress: str = _f("auto", "console output: a progress bar on a terminal, else one line per log step (auto); "
+                       "or force bar / lines", ("auto", "bar", "lines"))
+    profile_steps: str = _f("", "START:STOP: jax.profiler trace of steps START..STOP (inclusive) into RUN_DIR/profile/ "
+                            "(process 0; open in TensorBoard's profile plugin or Perfetto); empty: off")
+
+    def __post_init__(self) -> None:
+        self.profile_range  # noqa: B018 - a malformed value fails here, when the config is built
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(START, STOP) from `profile_steps`, or None when profiling is off."""
+        if not self.profile_steps.strip():
+            return None
+        start, sep, stop = self.profile_steps.partition(":")
+        try:
+            first, last = int(start), int(stop)
+        except ValueError:
+            first = last = 0
+        if not sep or not 1 <= first <= last:
+            raise UserError(f"logging.profile_steps must be START:STOP with 1 <= START <= STOP, e.g. 10:12 (quote it "
+                            f"in YAML, which reads 10:12 as a number); got {self.profile_steps!r}")
+        return first, last
 
 
 @dataclass(frozen=True)

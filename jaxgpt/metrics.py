@@ -7,7 +7,10 @@ included once) plus 12 * L * T * D for the attention scores and the weighted sum
 accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown (CPUs).
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
-tokens_per_sec, mfu; evaluation lines carry step and val_loss. Other tools read these names.
+tokens_per_sec, mfu; evaluation lines carry step and val_loss. Other tools (and `jaxgpt.report`)
+read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
+`events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
+records by `tracking.Tracker`.
 """
 
 from __future__ import annotations
@@ -52,24 +55,29 @@ def mfu(tokens_per_sec: float | None, cfg: ModelConfig, n_devices: int, peak: fl
 
 
 class MetricsLog:
-    """Appends JSON lines to run_dir/metrics.jsonl and prints a short line, on process 0 only."""
+    """Appends JSON lines to run_dir/metrics.jsonl and prints a short line (unless `echo` is off: a
+    progress bar shows them instead), on process 0 only."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, run_dir: Path, enabled: bool, echo: bool = True):
+        self.enabled, self.echo = enabled, echo
         self.path = Path(run_dir) / "metrics.jsonl"
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> dict[str, Any] | None:
+        """Logs `record` with non-finite floats as null; returns what was logged (None when disabled)."""
         if not self.enabled:
-            return
+            return None
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        print(_format(record), flush=True)
+        if self.echo:
+            print(format_record(record), flush=True)
+        return record
 
 
-def _format(r: dict[str, Any]) -> str:
+def format_record(r: dict[str, Any]) -> str:
+    """The console line for a train or eval record."""
     if "val_loss" in r:
         return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f}"
     mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"

@@ -8,6 +8,10 @@ the device idle (every step's loss is still checked for NaN/inf, one step late).
 
 Re-running the same command with the same run dir resumes from the newest good checkpoint:
 parameters, optimizer state, step and data position, so the run continues the same trajectory.
+
+Process 0 records the run: metrics.jsonl, TensorBoard, W&B, the console and events.jsonl through
+`tracking.Tracker`, and at the end of the run (completed, preempted or diverged) RUN_DIR/report.md
+through `jaxgpt.report`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,10 +35,11 @@ from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh, named
-from jaxgpt.metrics import MetricsLog, Throughput, mfu, peak_flops
+from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.tracking import Tracker, require_wandb, run_info
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
@@ -56,13 +62,14 @@ def _abstract_state(cfg: Config, setup: Setup) -> TrainState:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
 
 
-def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[TrainState, dict | None]:
-    """Resume this run, or start from another run's checkpoint, or initialise; (state, data state)."""
+def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[TrainState, dict | None, Path | None]:
+    """Resume this run, or start from another run's checkpoint, or initialise; (state, data state,
+    the checkpoint this run resumed from or None)."""
     abstract = _abstract_state(cfg, setup)
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")
-        return restored.state, restored.data_state
+        return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
         other = source.restore_latest(abstract)
@@ -70,16 +77,16 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
         assert other is not None, "find_checkpoint_dir found checkpoints that restore_latest did not"
         if not cfg.checkpoint.init_params_only:
             _say(f"starting from step {other.step} of {other.path}")
-            return other.state, other.data_state
+            return other.state, other.data_state, None
         _say(f"starting from the parameters of {other.path} (fresh optimizer, step 0)")
         fresh = init_state(cfg, setup)
-        return TrainState(fresh.step, other.state.params, fresh.opt_state), None
+        return TrainState(fresh.step, other.state.params, fresh.opt_state), None, None
     if cfg.checkpoint.init_from_hf:
         params = hf.load_dir(Path(cfg.checkpoint.init_from_hf), cfg.model)
         _say(f"starting from the Hugging Face GPT-2 weights in {cfg.checkpoint.init_from_hf}")
         fresh = init_state(cfg, setup)
-        return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None
-    return init_state(cfg, setup), None
+        return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None, None
+    return init_state(cfg, setup), None, None
 
 
 def _say(message: str) -> None:
@@ -97,7 +104,9 @@ def _trim_metrics(path: Path, step: int) -> None:
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
     """Trains `cfg` on `devices` (default: all), logging to run_dir/metrics.jsonl; returns the final state."""
     devices = list(devices or distributed.ordered_devices())
+    started = time.time()  # the start event's time: a session's wall time includes start-up
     sizes = validate(cfg, len(devices))
+    require_wandb(cfg.logging)
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
     if layout_error:
         raise UserError(layout_error)
@@ -121,40 +130,50 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
 
-    log = MetricsLog(run_dir, enabled=pid == 0)
+    track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     stop = StopRequest()
     try:
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
-            state, data_state = _initial_state(cfg, setup, ckpt)
+            state, data_state, resumed_from = _initial_state(cfg, setup, ckpt)
             start = int(state.step)
             if data_state is not None:
                 batches.set_state(data_state)
             if pid == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-                _trim_metrics(log.path, start)
+                _trim_metrics(track.log.path, start)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why})", flush=True)
             precision = "fp8" if m.fp8 else np.dtype(dtype).name
-            loop = _Loop(cfg, setup, mesh, log, len(devices), peak_flops(devices[0], precision))
+            peak = peak_flops(devices[0], precision)
+            if pid == 0:
+                track.begin(start, run_info(cfg, run_dir, sizes, devices, dtype=np.dtype(dtype).name, kernel=kernel,
+                                            kernel_reason=why, params=param_count(m), peak=peak), resumed_from)
+            loop = _Loop(cfg, setup, mesh, track, len(devices), peak)
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
         ckpt.wait()
+        track.event("end", step=max(start, t.steps))
+        track.close(completed=True, report=True)
+    except (Preempted, Diverged):  # the loop wrote the event; the report says where it stopped
+        track.close(report=True)
+        raise
     finally:
         stop.close()
         ckpt.close()
+        track.close()
     return state
 
 
 class _Loop:
     """The step loop: dispatch, deferred metrics, evaluation, checkpoints, stop requests."""
 
-    def __init__(self, cfg: Config, setup: Setup, mesh, log: MetricsLog, n_devices: int, peak: float | None):
-        self.cfg, self.log, self.n_devices, self.peak = cfg, log, n_devices, peak
+    def __init__(self, cfg: Config, setup: Setup, mesh, track: Tracker, n_devices: int, peak: float | None):
+        self.cfg, self.track, self.n_devices, self.peak = cfg, track, n_devices, peak
         self.train_step = make_train_step(cfg, mesh, setup)
         self.eval_step = make_eval_step(cfg, mesh, setup)
         self.clock = Throughput()
@@ -162,19 +181,21 @@ class _Loop:
 
     def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
         losses = [self.eval_step(state.params, to_global(b)) for b in val_batches]
-        self.log.write({"step": step, "val_loss": float(np.mean(jax.device_get(losses)))})
+        self.track.write({"step": step, "val_loss": float(np.mean(jax.device_get(losses)))})
 
     def finish(self, step: int, metrics: dict) -> None:
         """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         if not math.isfinite(values["loss"]):
+            self.track.event("diverged", step=step)
             raise Diverged(f"the loss became {values['loss']} at step {step}; lower optimizer.lr or "
                            f"check the data (nothing was saved from this step)")
+        self.track.advance(step)
         if step % self.cfg.logging.every and step != self.cfg.train.steps:
             return
         rate = self.clock.tokens_per_sec(step, self.tokens_per_step)
-        self.log.write({"step": step, **values, "tokens_per_sec": rate,
-                        "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak)})
+        self.track.write({"step": step, **values, "tokens_per_sec": rate,
+                          "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak)})
 
     def run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
         t, every = self.cfg.train, self.cfg.checkpoint.every
@@ -186,13 +207,15 @@ class _Loop:
         self.clock.reset(start)
         pending = None  # (step, metrics still on device) of the previous step
         for step in range(start + 1, t.steps + 1):
-            state, metrics = self.train_step(state, to_global(next(batches)))
+            with self.track.step_annotation(step):  # starts a logging.profile_steps trace at its first step
+                state, metrics = self.train_step(state, to_global(next(batches)))
             if pending is not None:
                 self.finish(*pending)
             pending = (step, metrics)
             if step == start + 1:  # the first step compiled: keep it out of tokens/s
                 jax.block_until_ready(metrics)
                 self.clock.reset(step)
+            self.track.step_done(step, metrics)  # ends a profile trace at its last step
             evaluate = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
             stopping = stop.requested(step)
             if evaluate or stopping or step == t.steps or (every and step % every == 0):
@@ -205,6 +228,7 @@ class _Loop:
                 self.clock.reset(step)
             if stopping:
                 ckpt.wait()
+                self.track.event("preempted", step=step, checkpoint=str(ckpt.step_path(step)))
                 raise Preempted(f"stopped at step {step}; checkpoint committed to {ckpt.step_path(step)}; "
                                 f"run the same command to resume")
         return state

@@ -1,0 +1,244 @@
+"""`python -m jaxgpt.report RUN_DIR`: RUN_DIR/report.md and RUN_DIR/loss.png from what a run left.
+
+`train()` writes the report itself at the end of a run (completed, preempted or diverged); this
+command regenerates it, for example for a run that was killed. It reads three files:
+
+    metrics.jsonl  train lines (loss, tokens_per_sec, mfu) and eval lines (val_loss)
+    events.jsonl   one `start` per session with the hardware and layout it ran on, `resume`,
+                   `preempted`, `diverged` and `end` (see jaxgpt.tracking)
+    config.yaml    the latest session's resolved config: batch, sequence length, checkpoint
+                   cadence, logging.every
+
+Throughput. Each train line's tokens_per_sec is measured on the host over the log interval that
+ends at that line: `logging.every` steps, fewer where an evaluation or a (re)start reset the timer.
+The first line after each start or resume is null (it includes compilation) and is skipped, as are
+MFU's nulls (no known peak FLOP/s, e.g. on CPU). Medians and p10/p90 are over those intervals. A
+slow interval is one whose tokens/s is below half the median, i.e. it took more than twice as long
+as a median interval: checkpoint saves, evaluations, input stalls or other jobs show up there.
+
+Wall time is the sum over sessions of the time from a `start` to the session's `end`, `preempted`
+or `diverged` event. A session with no such event (killed by SIGKILL or OOM, or still running) has
+no known end: it is left out and the report says so. If no session has an end, the wall time is
+the span from the first to the last event.
+
+Nothing is guessed: what the run did not record (an older run dir without events.jsonl, the
+interconnect on a CPU) reads "unknown".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.errors import UserError
+
+END_EVENTS = ("end", "preempted", "diverged")
+MAX_SLOW_LISTED = 20
+
+
+def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
+    if not run_dir.is_dir():
+        raise UserError(f"run dir {run_dir} does not exist")
+    path = run_dir / "metrics.jsonl"
+    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not lines:
+        raise UserError(f"{run_dir} has no metrics in metrics.jsonl; is it a jaxgpt run dir that has trained?")
+    metrics = [json.loads(line) for line in lines]
+    events_path = run_dir / "events.jsonl"
+    events = ([json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
+              if events_path.exists() else [])
+    config_path = run_dir / "config.yaml"
+    cfg = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
+    return metrics, events, cfg or {}
+
+
+def _sessions(events: list[dict]) -> list[tuple[dict, dict | None]]:
+    """(start event, the event that ended it or None) for each session."""
+    out: list[tuple[dict, dict | None]] = []
+    for e in events:
+        if e["event"] == "start":
+            out.append((e, None))
+        elif e["event"] in END_EVENTS and out and out[-1][1] is None:
+            out[-1] = (out[-1][0], e)
+    return out
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    return f"{s // 3600}h {s % 3600 // 60:02d}m {s % 60:02d}s"
+
+
+def _wall_time(events: list[dict]) -> str:
+    sessions = _sessions(events)
+    ended = [(s, e) for s, e in sessions if e is not None]
+    if ended:
+        total = sum(e["time"] - s["time"] for s, e in ended)
+        open_ = len(sessions) - len(ended)
+        note = (f"; {open_} session{'s' if open_ > 1 else ''} without an end event (killed, or still running) "
+                f"not counted" if open_ else "")
+        return f"{_duration(total)} over {len(ended)} session{'s' if len(ended) > 1 else ''}{note}"
+    if len(events) > 1:
+        return f"{_duration(events[-1]['time'] - events[0]['time'])} (first to last event; no session recorded its end)"
+    return "unknown"
+
+
+def _spread(values: list[float], fmt) -> str:
+    p10, p50, p90 = np.percentile(values, [10, 50, 90])
+    return f"{fmt(p50)} | {fmt(p10)} | {fmt(p90)}"
+
+
+def _get(cfg: dict, section: str, key: str, default: Any = None) -> Any:
+    return (cfg.get(section) or {}).get(key, default)
+
+
+def _setup_rows(start: dict | None, starts: list[dict], cfg: dict) -> list[tuple[str, str]]:
+    s = start or {}
+    unknown = "unknown"
+    kind, platform, n = s.get("device_kind"), s.get("platform"), s.get("devices")
+    accelerator = unknown if kind is None else (
+        f"{n} × {kind}" + (f" ({platform})" if platform and platform.lower() not in kind.lower() else ""))
+    mesh = ", ".join(f"{a}={v}" for a, v in s["mesh"].items()) if "mesh" in s else unknown
+    earlier = {", ".join(f"{a}={v}" for a, v in e["mesh"].items()) for e in starts[:-1] if "mesh" in e} - {mesh}
+    if earlier:
+        mesh += f" (earlier sessions: {'; '.join(sorted(earlier))})"
+    batch, seq = _get(cfg, "train", "batch_size"), _get(cfg, "model", "seq_len")
+    accum = _get(cfg, "train", "grad_accum", 1)
+    effective = (f"{batch * seq:,} tokens per step ({batch} sequences × {seq} tokens; grad_accum {accum})"
+                 if batch and seq else unknown)
+    fp8 = s.get("fp8", _get(cfg, "model", "fp8"))
+    precision = (f"{s.get('compute_dtype', unknown)} compute, fp8 {'on' if fp8 else 'off' if fp8 is not None else unknown}"
+                 f" (parameters fp32)")
+    attention = f"{s['attention']} ({s.get('attention_reason', '')})" if "attention" in s else unknown
+    every, keep = _get(cfg, "checkpoint", "every"), _get(cfg, "checkpoint", "keep")
+    saves = _get(cfg, "checkpoint", "async_save")
+    cadence = unknown if every is None else (
+        (f"every {every} steps" if every else "only at the end and on a stop request")
+        + f", keep {keep}, {'async' if saves else 'sync'} saves")
+    procs = s.get("process_count")
+    return [("accelerator", accelerator),
+            ("hosts", unknown if procs is None else f"{procs} process{'es' if procs > 1 else ''}"),
+            ("mesh", mesh), ("interconnect", s.get("interconnect", unknown)),
+            ("effective batch", effective), ("sequence length", str(seq) if seq else unknown),
+            ("precision", precision), ("attention kernel", attention), ("checkpoints", cadence),
+            ("parameters", f"{s['params'] / 1e6:.1f}M" if "params" in s else unknown)]
+
+
+def _throughput(train: list[dict], every: Any) -> list[str]:
+    rates = [r["tokens_per_sec"] for r in train if r.get("tokens_per_sec") is not None]
+    if not rates:
+        return ["No timed log intervals yet (the first one after each start includes compilation)."]
+    mfus = [r["mfu"] for r in train if r.get("mfu") is not None]
+    out = ["| | median | p10 | p90 |", "|---|---|---|---|",
+           f"| tokens/s | {_spread(rates, lambda v: f'{v:,.0f}')} |",
+           f"| MFU | {_spread(mfus, lambda v: f'{100 * v:.1f}%')} |" if mfus else
+           "| MFU | n/a: the accelerator's peak FLOP/s is not known | | |",
+           "", f"Over {len(rates)} log intervals of up to `logging.every` = {every} steps each."]
+    median = float(np.median(rates))
+    slow = [r for r in train if r.get("tokens_per_sec") is not None and r["tokens_per_sec"] < median / 2]
+    out += ["", "### Slow intervals", ""]
+    if not slow:
+        out.append(f"None: no log interval (of up to {every} steps) ran slower than twice the median time.")
+        return out
+    out.append(f"{len(slow)} log interval{'s' if len(slow) > 1 else ''} (of up to {every} steps) took more than "
+               f"twice the median time, i.e. ran below half the median {median:,.0f} tokens/s:")
+    out.append("")
+    for r in slow[:MAX_SLOW_LISTED]:
+        rate = r["tokens_per_sec"]
+        out.append(f"- interval ending at step {r['step']}: {rate:,.0f} tokens/s ({rate / median:.2f} × median)")
+    if len(slow) > MAX_SLOW_LISTED:
+        out.append(f"- and {len(slow) - MAX_SLOW_LISTED} more")
+    return out
+
+
+def _history(events: list[dict]) -> list[str]:
+    lines = []
+    for e in events:
+        if e["event"] == "resume":
+            lines.append(f"- restart: resumed at step {e['step']} from `{e.get('checkpoint', 'unknown')}`")
+        elif e["event"] == "preempted":
+            lines.append(f"- preempted at step {e['step']} (checkpoint committed)")
+        elif e["event"] == "diverged":
+            lines.append(f"- the loss became non-finite at step {e['step']}; the run stopped")
+    return lines or ["- none"]
+
+
+def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) -> str:
+    train = [r for r in metrics if "loss" in r]
+    evals = [r for r in metrics if "val_loss" in r]
+    starts = [e for e in events if e["event"] == "start"]
+    restarts = sum(e["event"] == "resume" for e in events)
+    preemptions = sum(e["event"] == "preempted" for e in events)
+    steps = _get(cfg, "train", "steps")
+    last_step = max(r["step"] for r in metrics)
+    rows = _setup_rows(starts[-1] if starts else None, starts, cfg)
+    rows += [("steps", f"{last_step:,} of {steps:,}" if steps else f"{last_step:,}"),
+             ("restarts", str(restarts)), ("preemptions", str(preemptions)),
+             ("wall time", _wall_time(events)),
+             ("final train loss", f"{train[-1]['loss']:.4f} (step {train[-1]['step']})" if train else "none logged"),
+             ("final val loss", f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "none logged")]
+    out = [f"# Run report: {run_dir.resolve().name}", "", f"`{run_dir.resolve()}`", "", "| | |", "|---|---|"]
+    out += [f"| {k} | {v} |" for k, v in rows]
+    out += ["", "## Throughput", ""] + _throughput(train, _get(cfg, "logging", "every", "unknown"))
+    out += ["", "## Restarts, preemptions, divergence", ""] + _history(events)
+    out += ["", "## Loss", "", "![train and val loss against step](loss.png)", ""]
+    return "\n".join(out)
+
+
+def plot_loss(metrics: list[dict], path: Path, title: str) -> None:
+    """Train and val loss against step, drawn with Agg (no display, no global pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    train = [(r["step"], r["loss"]) for r in metrics if r.get("loss") is not None]
+    evals = [(r["step"], r["val_loss"]) for r in metrics if r.get("val_loss") is not None]
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="val", markersize=3)
+    ax.set(xlabel="step", ylabel="loss", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+
+
+def write_report(run_dir: Path) -> Path:
+    """Writes RUN_DIR/report.md and RUN_DIR/loss.png; returns the report's path."""
+    run_dir = Path(run_dir)
+    metrics, events, cfg = _load(run_dir)
+    path = run_dir / "report.md"
+    path.write_text(render(run_dir, metrics, events, cfg))
+    plot_loss(metrics, run_dir / "loss.png", run_dir.resolve().name)
+    return path
+
+
+def _main(argv: Sequence[str] | None) -> None:
+    parser = ArgumentParser(prog="python -m jaxgpt.report", description="Write RUN_DIR/report.md and loss.png.",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a run dir written by python -m jaxgpt.train")
+    path = write_report(parser.parse_args(argv).run_dir)
+    print(f"wrote {path} and {path.with_name('loss.png')}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
