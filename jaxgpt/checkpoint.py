@@ -132,10 +132,10 @@ class Checkpointer:
         return Restored(step, out.state, dict(out.data), path)
 
 
-def find_checkpoint_dir(path: str) -> Path:
-    """A run dir or its checkpoints dir -> the checkpoints dir (for `checkpoint.init_from`)."""
+def find_checkpoint_dir(path: str | Path) -> Path:
+    """A run dir or its checkpoints dir -> the checkpoints dir (init_from, export, sample)."""
     p = Path(path)
     for candidate in (p / "checkpoints", p):
         if candidate.is_dir() and any(c.name.isdigit() for c in candidate.iterdir()):
             return candidate
-    raise UserError(f"checkpoint.init_from={path}: no checkpoints found there (give a run dir or its checkpoints dir)")
+    raise UserError(f"{path}: no checkpoints found there (give a run dir or its checkpoints dir)")

@@ -39,12 +39,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.numpy import load_file, save_file
 
-from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, sections
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
-from jaxgpt.step import init_state, make_setup
+from jaxgpt.step import abstract_state, make_setup
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 EOT = 50256  # <|endoftext|>, GPT-2's bos and eos
@@ -203,11 +203,7 @@ def _config_from_dict(d: dict[str, Any]) -> Config:
 
 def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
     """(params on one device, the run's config, step) of the newest readable checkpoint."""
-    path = Path(run_dir_or_ckpt)
-    ckpt_dir = next((d for d in (path / "checkpoints", path)
-                     if d.is_dir() and any(c.name.isdigit() for c in d.iterdir())), None)
-    if ckpt_dir is None:
-        raise UserError(f"{path}: no checkpoints found there (give a run dir or its checkpoints dir)")
+    ckpt_dir = find_checkpoint_dir(run_dir_or_ckpt)
     ckpt = Checkpointer(ckpt_dir, CheckpointConfig())
     try:
         cfg = None
@@ -223,10 +219,7 @@ def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
         mesh = make_mesh({"dp": 1, "fsdp": 1, "tp": 1}, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
-            shapes = jax.eval_shape(lambda: init_state(cfg, setup))
-            abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                                    shapes, setup.shardings)
-            restored = ckpt.restore_latest(abstract)  # skips damaged steps; the AdamW moments come along
+            restored = ckpt.restore_latest(abstract_state(cfg, setup))  # skips damaged steps; the AdamW moments come along
     finally:
         ckpt.close()
     return restored.state.params, cfg, restored.step

@@ -41,9 +41,8 @@ def abstract_inputs(cfg: Config, mesh, setup) -> tuple[Any, Any]:
     import numpy as np
 
     from jaxgpt.mesh import named
-    from jaxgpt.step import init_state
-    shapes = jax.eval_shape(lambda: init_state(cfg, setup))
-    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
+    from jaxgpt.step import abstract_state
+    state = abstract_state(cfg, setup)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
     return state, batch

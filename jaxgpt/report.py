@@ -39,6 +39,7 @@ import yaml
 
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.errors import UserError
+from jaxgpt.tracking import read_events
 
 END_EVENTS = ("end", "preempted", "diverged")
 MAX_SLOW_LISTED = 20
@@ -52,9 +53,7 @@ def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
     if not lines:
         raise UserError(f"{run_dir} has no metrics in metrics.jsonl; is it a jaxgpt run dir that has trained?")
     metrics = [json.loads(line) for line in lines]
-    events_path = run_dir / "events.jsonl"
-    events = ([json.loads(line) for line in events_path.read_text().splitlines() if line.strip()]
-              if events_path.exists() else [])
+    events = read_events(run_dir)
     config_path = run_dir / "config.yaml"
     cfg = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
     return metrics, events, cfg or {}

@@ -30,8 +30,8 @@ from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
-from jaxgpt.model import GPT, KVCache, compute_dtype
-from jaxgpt.step import make_setup
+from jaxgpt.model import KVCache, compute_dtype
+from jaxgpt.step import abstract_model, make_setup
 from jaxgpt.tokenizer import gpt2_encoding
 
 
@@ -111,7 +111,7 @@ def _sample(argv: Sequence[str] | None) -> None:
     enc = gpt2_encoding()
     prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
     prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(0))))
+    graphdef, _ = abstract_model(cfg)
     tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     print(f"# {args.run} (step {step}), {args.num_samples} sample(s) of {args.max_new_tokens} tokens", file=sys.stderr)

@@ -94,6 +94,12 @@ def init_state(cfg: Config, setup: Setup) -> TrainState:
     return jax.jit(init, out_shardings=setup.shardings)()
 
 
+def abstract_state(cfg: Config, setup: Setup) -> TrainState:
+    """The train state as ShapeDtypeStructs carrying their shardings (restore targets, AOT compiles)."""
+    shapes = jax.eval_shape(lambda: init_state(cfg, setup))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
+
+
 def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Mean next-token cross-entropy (fp32) of windows [B, T+1]."""
     model = nnx.merge(graphdef, params)

@@ -38,7 +38,7 @@ from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.preemption import StopRequest
-from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, require_wandb, run_info
 
 
@@ -57,15 +57,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def _abstract_state(cfg: Config, setup: Setup) -> TrainState:
-    shapes = jax.eval_shape(lambda: init_state(cfg, setup))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
-
-
 def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[TrainState, dict | None, Path | None]:
     """Resume this run, or start from another run's checkpoint, or initialise; (state, data state,
     the checkpoint this run resumed from or None)."""
-    abstract = _abstract_state(cfg, setup)
+    abstract = abstract_state(cfg, setup)
     restored = ckpt.restore_latest(abstract)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from jaxgpt.config import load_config
-from jaxgpt.hlo import COLLECTIVES, collectives, hlo_computations, while_bodies  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parent.parent
 

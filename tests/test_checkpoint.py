@@ -23,8 +23,8 @@ from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
-from jaxgpt.step import make_setup
-from jaxgpt.train import _abstract_state, train
+from jaxgpt.step import abstract_state, make_setup
+from jaxgpt.train import train
 
 RUN = [*TINY, "train.steps=12", "checkpoint.every=4", "logging.every=1", "--mesh", "dp=4,tp=2"]
 
@@ -65,7 +65,7 @@ def _final_params(run_dir: Path, layout: str = "dp=4,tp=2"):
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-        restored = ckpt.restore_latest(_abstract_state(cfg, setup))
+        restored = ckpt.restore_latest(abstract_state(cfg, setup))
         ckpt.close()
     return restored
 
@@ -124,7 +124,7 @@ def test_reshard_dp8_to_fsdp_tp_and_one_device(tmp_path, shakespeare_dir):
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
             ckpt = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
-            restored = ckpt.restore_latest(_abstract_state(cfg, setup))
+            restored = ckpt.restore_latest(abstract_state(cfg, setup))
             ckpt.close()
         for a, b, sh in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved.state),
                             jax.tree.leaves(setup.shardings)):
@@ -147,7 +147,7 @@ def _restore(run_dir: Path, *overrides: str):
     with jax.set_mesh(mesh):
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
         try:
-            return ckpt.restore_latest(_abstract_state(cfg, make_setup(cfg, mesh)))
+            return ckpt.restore_latest(abstract_state(cfg, make_setup(cfg, mesh)))
         finally:
             ckpt.close()
 

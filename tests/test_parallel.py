@@ -6,9 +6,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import collectives, tiny_config, train_losses, while_bodies
+from helpers import tiny_config, train_losses
 
 from jaxgpt.config import validate
+from jaxgpt.hlo import collectives, while_bodies
 from jaxgpt.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train
