@@ -92,8 +92,9 @@ def _say(message: str) -> None:
 def _trim_metrics(path: Path, step: int) -> None:
     """On resume, drop lines logged after the checkpoint: those steps are about to run again."""
     if jax.process_index() == 0 and path.exists():
-        lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in lines))
+        text = path.read_text()
+        lines = text.splitlines()[: text.count("\n")]  # a line a kill cut short has no newline: drop it
+        path.write_text("".join(line + "\n" for line in lines if line and json.loads(line)["step"] <= step))
 
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
