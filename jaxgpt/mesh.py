@@ -80,10 +80,22 @@ def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None
 
 
 def shard(x: jax.Array, *logical_axes: str | None) -> jax.Array:
-    """Constrain an activation's sharding inside jit (needs `jax.set_mesh`); a no-op without a mesh."""
-    if jax.sharding.get_abstract_mesh().empty:
+    """Constrain an activation's sharding inside jit (needs `jax.set_mesh`); a no-op without a mesh.
+
+    Inside a `shard_map` that is manual over some axes (the train step's per-dp-shard gradient
+    accumulation), those axes are already split by hand and are left out of the constraint."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
         return x
-    return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes))
+    spec = logical_to_spec(logical_axes)
+    if manual := set(mesh.manual_axes):
+        spec = P(*(_without(entry, manual) for entry in spec))
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _without(entry: str | tuple[str, ...] | None, axes: set[str]) -> str | tuple[str, ...] | None:
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    return kept or None
 
 
 def named(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_config, train_losses
 
 from jaxgpt.config import validate
-from jaxgpt.hlo import collectives, while_bodies
+from jaxgpt.hlo import collective_bytes, collectives, while_bodies
 from jaxgpt.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train
@@ -38,14 +38,17 @@ def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
     np.testing.assert_allclose(losses, single_device_losses, rtol=0, atol=LOSS_ATOL)
 
 
-def test_grad_accum_matches_one_big_batch(single_device_losses, tmp_path):
-    """Two micro-batches of 8 give the gradient of one batch of 16 (same tolerance, same reason)."""
-    train(tiny_config("train.steps=5", "train.grad_accum=2", mesh="dp=1"), tmp_path, devices=jax.devices()[:1])
+@pytest.mark.parametrize("layout", ["dp=1", "dp=2,fsdp=2,tp=2"])
+def test_grad_accum_matches_one_big_batch(layout, single_device_losses, tmp_path):
+    """Two micro-batches of 8 give the gradient of one batch of 16 (same tolerance, same reason),
+    also when each dp shard accumulates its own gradient before the one all-reduce."""
+    devices = jax.devices()[:1] if layout == "dp=1" else None
+    train(tiny_config("train.steps=5", "train.grad_accum=2", mesh=layout), tmp_path, devices=devices)
     np.testing.assert_allclose(train_losses(tmp_path), single_device_losses, rtol=0, atol=LOSS_ATOL)
 
 
-def _state_and_step(layout: str):
-    cfg = tiny_config(mesh=layout)
+def _state_and_step(layout: str, *overrides: str):
+    cfg = tiny_config(*overrides, mesh=layout)
     mesh = make_mesh(validate(cfg, 8))
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)
@@ -86,8 +89,8 @@ def test_logical_axes_cannot_reuse_a_mesh_axis():
         logical_to_spec(("batch", "embed"))
 
 
-def _compiled_hlo(layout: str) -> str:
-    cfg, mesh, setup, state, step = _state_and_step(layout)
+def _compiled_hlo(layout: str, *overrides: str) -> str:
+    cfg, mesh, setup, state, step = _state_and_step(layout, *overrides)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
     with jax.set_mesh(mesh):
@@ -101,6 +104,17 @@ def test_dp_collectives():
     assert collectives(hlo)["all-reduce"] >= 1
     assert collectives(hlo)["all-gather"] == 0
     assert any(sum(collectives(body).values()) == 0 for body in while_bodies(hlo))
+
+
+def test_dp_reduces_gradients_once_per_step():
+    """dp with gradient accumulation: each dp shard sums its own micro-batch gradients and one
+    all-reduce follows the micro-batch loop, so 4 micro-batches move the same bytes as 1, and that
+    is one gradient's worth (the tied embedding's lookup and head gradients are added before it)."""
+    param_bytes = 4 * sum(p.size for p in jax.tree.leaves(_state_and_step("dp=8")[3].params))
+    one, four = (collective_bytes(_compiled_hlo("dp=8", "train.batch_size=32", f"train.grad_accum={a}"))
+                 for a in (1, 4))
+    assert four == one
+    assert param_bytes <= one["all-reduce"] < 1.01 * param_bytes
 
 
 def test_fsdp_collectives():
