@@ -197,3 +197,24 @@ def wire_bytes(hlo: str, n_devices: int) -> dict[str, int]:
         if n > 1:
             out[op.kind] += round(op.bytes * op.times * _WIRE[op.kind](n))
     return out
+
+
+_GEMM_TARGET = re.compile(r'custom_call_target="(__cublas\$[\w$]*|__cudnn\$[\w$]*)"')
+_FP8 = re.compile(r"\bf8e[45]m[23]\w*\[")
+
+
+def gemm_counts(hlo: str) -> dict[str, int]:
+    """GEMM library calls in XLA:GPU's compiled HLO: {'fp8': n, 'other': m}.
+
+    jaxgpt's fp8 matmuls are quantize-dequantize around an ordinary dot (jaxgpt/fp8.py); XLA:GPU's
+    GEMM rewriter turns that pattern into a cuBLASLt fp8 call (`__cublas$lt$matmul$f8`), and a GEMM
+    fusion with fp8 operands counts too. If fp8 is on and 'fp8' is 0, the rewrite did not happen and
+    the matmuls ran in bf16. XLA:CPU has neither, so both counts are 0 there."""
+    out = {"fp8": 0, "other": 0}
+    for line in hlo.splitlines():
+        target = _GEMM_TARGET.search(line)
+        gemm_fusion = "kind=kCustom" in line and "gemm" in line and " fusion(" in line
+        if target and ("matmul" in target.group(1) or "gemm" in target.group(1)) or gemm_fusion:
+            operands = line.split("(", 1)[1].split(")", 1)[0] if "(" in line else ""
+            out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1
+    return out

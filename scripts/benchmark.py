@@ -17,6 +17,9 @@ donated, as in training) and reports:
     mem/device MiB   XLA's memory analysis of the compiled step: arguments + outputs - aliased
                      (donated) + temporaries + code
     collective MiB   result bytes per device per step, all kinds (jaxgpt.hlo; per kind in the JSON)
+    gemm_calls       (JSON) cuBLAS/cuDNN GEMM calls in the compiled step, fp8 vs other: with
+                     model.fp8=true on a Hopper GPU 'fp8' must be > 0 (jaxgpt.hlo.gemm_counts)
+    attention        (JSON) the attention kernel the model runs (xla or cudnn)
     input tokens/s   the Grain pipeline alone (jaxgpt.data.train_iterator on the config's data,
                      batch and seq_len), on this host, over --input-batches batches after the
                      first; and its ratio to what the step consumes per host (>= 10x is healthy)
@@ -43,9 +46,11 @@ import jax
 import numpy as np
 
 from jaxgpt import data, distributed, plan
+from jaxgpt.attention import select_kernel
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
+from jaxgpt.hlo import gemm_counts
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import mfu, peak_flops
 from jaxgpt.step import compute_dtype, init_state, make_setup, make_train_step
@@ -100,10 +105,14 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     dtype = np.dtype(compute_dtype(m.dtype)).name
     peak = peak_flops(devices[0], "fp8" if getattr(m, "fp8", False) else dtype)
     input_rate = input_tokens_per_sec(cfg, tokens, input_batches)
-    collectives = plan.collective_summary(compiled.as_text(), len(devices))
+    hlo = compiled.as_text()
+    collectives = plan.collective_summary(hlo, len(devices))
     return {
         "mesh": sizes, "devices": len(devices), "processes": jax.process_count(),
-        "device_kind": devices[0].device_kind, "compute_dtype": dtype, "parameters": int(sum(
+        "device_kind": devices[0].device_kind, "compute_dtype": dtype, "fp8": m.fp8,
+        "attention": select_kernel(m.attention, compute_dtype(m.dtype), m.head_dim)[0],
+        "gemm_calls": gemm_counts(hlo),  # XLA:GPU library GEMMs, fp8 vs other (0 on CPU)
+        "parameters": int(sum(
             x.size for x in jax.tree.leaves(state.params))),
         "tokens_per_step": tokens_per_step, "steps": steps, "warmup": warmup, "compile_s": compile_s,
         "step_ms": {"median": 1e3 * step_s, "p10": 1e3 * float(np.percentile(times, 10)),
@@ -146,6 +155,7 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default 2)")
     parser.add_argument("--input-batches", type=int, default=50, help="batches timed from the input pipeline")
     parser.add_argument("--json", type=Path, help="write the results to this file")
+    parser.add_argument("--name", help="first column of the markdown row (default: the config's name)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.input_batches < 1:
@@ -156,7 +166,7 @@ def _main(argv: Sequence[str] | None) -> None:
               "date": datetime.date.today().isoformat(), **benchmark(cfg, args.steps, args.warmup, args.input_batches)}
     if jax.process_index() == 0:
         print(json.dumps(result), flush=True)
-        print(markdown_row(result["config"], result), flush=True)
+        print(markdown_row(args.name or result["config"], result), flush=True)
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
 

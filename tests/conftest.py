@@ -13,7 +13,14 @@ from pathlib import Path
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     + ["--xla_force_host_platform_device_count=8"])
-os.environ["JAX_PLATFORMS"] = "cpu"
+# JAXGPT_TEST_GPU=1 (scripts/gpu_checks.sh) also makes a CUDA GPU visible, as the second platform,
+# so CPU stays the default backend and every other test still runs on the 8 CPU devices; the
+# cuDNN attention parity test then runs on the GPU instead of being skipped.
+if os.environ.get("JAXGPT_TEST_GPU") == "1":
+    os.environ["JAX_PLATFORMS"] = "cpu,cuda"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # subprocesses share the GPU
+else:
+    os.environ["JAX_PLATFORMS"] = "cpu"
 # The bundled corpus is prepared once per test session into a private cache (subprocesses inherit it).
 os.environ.setdefault("JAXGPT_CACHE", tempfile.mkdtemp(prefix="jaxgpt-test-cache-"))
 

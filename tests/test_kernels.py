@@ -29,8 +29,23 @@ KERNEL_CASES = [("xla", jnp.float32, 1e-5), ("xla", jnp.bfloat16, 2e-2), ("cudnn
 def test_kernel_matches_reference_forward_and_gradients(impl, dtype, atol):
     """Forward and d/d(q, k, v) of each kernel against the textbook formula in fp32. The bf16
     bound is bf16's rounding (~3 significant digits) on values of order 1."""
-    if impl == "cudnn" and cudnn_unavailable_reason(dtype, 32):
-        pytest.skip(f"cuDNN flash attention cannot run here: {cudnn_unavailable_reason(dtype, 32)}")
+    device = jax.devices()[0]
+    if impl == "cudnn":
+        device = next(iter(_gpus()), device)
+        if reason := cudnn_unavailable_reason(dtype, 32, device):
+            pytest.skip(f"cuDNN flash attention cannot run here: {reason} (JAXGPT_TEST_GPU=1 on a GPU host runs it)")
+    with jax.default_device(device):
+        _check_kernel(impl, dtype, atol)
+
+
+def _gpus() -> list[jax.Device]:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:  # no GPU backend (the tests run on CPU unless JAXGPT_TEST_GPU=1)
+        return []
+
+
+def _check_kernel(impl, dtype, atol):
     q, k, v = _qkv(dtype)
     out = causal_attention(q, k, v, impl=impl)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference_attention(q, k, v), np.float32),

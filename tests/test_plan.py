@@ -12,7 +12,7 @@ import pytest
 from helpers import REPO, TINY, run_cli, tiny_config
 
 from jaxgpt.cli import EXIT_USER_ERROR
-from jaxgpt.hlo import collective_bytes, collective_ops, wire_bytes
+from jaxgpt.hlo import collective_bytes, collective_ops, gemm_counts, wire_bytes
 from jaxgpt.model import param_count
 from jaxgpt.plan import plan
 
@@ -94,6 +94,21 @@ def test_collective_bytes_of_a_hand_written_snippet():
                                            "all-to-all": 0, "collective-permute": 12}
 
 
+def test_gemm_counts_tell_fp8_gemms_from_others():
+    """XLA:GPU's compiled HLO, as it writes a cuBLASLt fp8 GEMM, a bf16 cuBLAS GEMM and a Triton
+    GEMM fusion with fp8 operands (benchmark.py reports these; XLA:CPU writes none)."""
+    gpu = "\n".join([
+        '  %m.3 = (bf16[4096,2304]{1,0}, s8[4]{0}) custom-call(f8e4m3fn[4096,768]{1,0} %p.1, '
+        'f8e4m3fn[2304,768]{1,0} %p.2, f32[] %s.1, f32[] %s.2), custom_call_target="__cublas$lt$matmul$f8"',
+        '  %g.1 = (f32[768,768]{1,0}, s8[4]{0}) custom-call(bf16[4096,768]{1,0} %a, bf16[4096,768]{1,0} %b), '
+        'custom_call_target="__cublas$gemm"',
+        '  %gemm_fusion_dot.2 = bf16[8192,768]{1,0} fusion(f8e5m2[8192,3072]{1,0} %g, f8e4m3fn[768,3072]{1,0} %w), '
+        'kind=kCustom, calls=%c, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}',
+        '  %add.1 = f32[] add(f32[] %x, f32[] %y)'])
+    assert gemm_counts(gpu) == {"fp8": 2, "other": 1}
+    assert gemm_counts(HLO) == {"fp8": 0, "other": 0}
+
+
 def test_trip_count_from_the_condition_or_counted_once_with_a_warning():
     no_config = HLO.replace(', backend_config={"known_trip_count":{"n":"5"}}', "")
     assert collective_bytes(no_config)["all-gather"] == 512 * 3 + 80  # the condition's constant
@@ -136,7 +151,7 @@ def test_benchmark_smoke(tmp_path, shakespeare_dir):
     assert proc.returncode == 0, proc.stderr
     r = json.loads(out.read_text())
     for key in ("compile_s", "step_ms", "tokens_per_sec", "mfu", "memory", "collective_bytes",
-                "input_tokens_per_sec", "input_ratio", "devices", "mesh", "commit"):
+                "input_tokens_per_sec", "input_ratio", "devices", "mesh", "commit", "attention", "gemm_calls"):
         assert key in r, key
     assert r["devices"] == 8 and r["mfu"] is None  # no peak FLOP/s for CPUs
     assert set(r["step_ms"]) >= {"median", "p10", "p90"}

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU checks of the H100/H200 issue in one command, on a host with an NVIDIA GPU:
+#
+#   pip install -e ".[cuda12,test]"            # once (or cuda13)
+#   bash scripts/gpu_checks.sh [OUT] [GROUP ...]
+#
+# GROUPs (default: all, in this order; each fits a 10-minute slot on one H200):
+#   parity   cuDNN flash attention vs the reference, forward and gradients (tests/test_kernels.py
+#            with JAXGPT_TEST_GPU=1, so the cuDNN case runs instead of being skipped)
+#   plan     python -m jaxgpt.plan for gpt2-124m and gpt2-1.3b against this GPU's memory
+#   bench124 scripts/benchmark.py, gpt2-124m at 1024 context: xla vs cudnn attention, fp8 off/on
+#   bench13  the same for gpt2-1.3b at 2048 context (remat=full, as configured)
+#   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
+#            with fp8 from the same seed; prints both final losses and their relative gap (goal <1%)
+#
+# Writes OUT (default gpu_checks/): one .txt per step (its whole output), one .json per
+# benchmark, summary.md (markdown rows for docs/benchmarks.md, plus each benchmark's attention
+# kernel and fp8 GEMM count: with model.fp8=true 'fp8' must be > 0) and log.txt. A failing step is
+# logged with its exit code and the script goes on; STEP_TIMEOUT (default 600 s) bounds each.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-gpu_checks}
+shift || true
+GROUPS_TO_RUN=${*:-parity plan bench124 bench13 fp8loss}
+PY=${PYTHON:-python}
+LIMIT=${STEP_TIMEOUT:-600}
+mkdir -p "$OUT"
+
+step() {  # step NAME COMMAND...: run with a time limit, keep the output, log the exit code
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$OUT/log.txt"
+  local t0=$SECONDS
+  timeout "$LIMIT" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "   exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
+  tail -n 3 "$OUT/$name.txt" | sed 's/^/   | /'
+  return $rc
+}
+
+bench() {  # bench NAME ARGS...: one scripts/benchmark.py run, its row appended to summary.md
+  local name=$1; shift
+  if step "$name" "$PY" scripts/benchmark.py --name "$name" --json "$OUT/$name.json" --steps 10 --warmup 2 "$@"; then
+    grep '^|' "$OUT/$name.txt" >>"$OUT/summary.md"
+    "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("  %s: attention=%s gemm_calls=%s mem_peak_GiB=%.1f" % (sys.argv[2], r["attention"], r["gemm_calls"], r["memory"]["peak"] / 2**30))' \
+      "$OUT/$name.json" "$name" | tee -a "$OUT/summary.md"
+  fi
+}
+
+final_loss() {  # the last train loss in RUN_DIR/metrics.jsonl
+  "$PY" -c 'import json,sys; print([json.loads(l)["loss"] for l in open(sys.argv[1]+"/metrics.jsonl") if "\"loss\"" in l][-1])' "$1"
+}
+
+{ date -u; git rev-parse --short HEAD; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } \
+  >"$OUT/host.txt" 2>&1
+"$PY" -c 'import jax; print(jax.__version__, jax.devices())' >>"$OUT/host.txt" 2>&1
+cat "$OUT/host.txt"
+
+for group in $GROUPS_TO_RUN; do
+  case $group in
+    parity)
+      step parity env JAXGPT_TEST_GPU=1 "$PY" -m pytest -q -rs tests/test_kernels.py -k kernel_matches ;;
+    plan)
+      step plan-124m "$PY" -m jaxgpt.plan --config gpt2-124m
+      step plan-1.3b "$PY" -m jaxgpt.plan --config gpt2-1.3b ;;
+    bench124)
+      echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |" >>"$OUT/summary.md"
+      echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
+      for attn in xla cudnn; do
+        bench "124m-$attn" --config gpt2-124m --mesh dp=1 "model.attention=$attn"
+      done
+      bench 124m-cudnn-fp8 --config gpt2-124m --mesh dp=1 model.attention=cudnn model.fp8=true ;;
+    bench13)
+      for attn in xla cudnn; do
+        bench "1.3b-$attn" --config gpt2-1.3b --mesh dp=1 "model.attention=$attn"
+      done
+      bench 1.3b-cudnn-fp8 --config gpt2-1.3b --mesh dp=1 model.attention=cudnn model.fp8=true ;;
+    fp8loss)
+      runs=$(mktemp -d)  # run dirs outside OUT: each ends with a ~15 GiB checkpoint, deleted below
+      for fp8 in false true; do
+        step "train-1.3b-fp8-$fp8" "$PY" -m jaxgpt.train --config gpt2-1.3b --mesh dp=1 \
+          --run-dir "$runs/fp8-$fp8" "model.fp8=$fp8" "train.steps=${FP8_STEPS:-100}" \
+          train.batch_size=16 train.grad_accum=1 train.eval_every=0 optimizer.warmup_steps=10 \
+          checkpoint.every=0 logging.every=10 logging.progress=lines
+        cp "$runs/fp8-$fp8/metrics.jsonl" "$OUT/train-1.3b-fp8-$fp8.metrics.jsonl" 2>/dev/null
+        rm -rf "$runs/fp8-$fp8/checkpoints"
+      done
+      bf16=$(final_loss "$runs/fp8-false") && fp8=$(final_loss "$runs/fp8-true") &&
+        "$PY" -c 'import sys; a,b=map(float,sys.argv[1:]); print(f"fp8 vs bf16 final loss: {b:.4f} vs {a:.4f}, gap {100*abs(b-a)/a:.2f}% (goal < 1%)")' \
+          "$bf16" "$fp8" | tee -a "$OUT/summary.md" ;;
+    *) echo "unknown group $group (parity plan bench124 bench13 fp8loss)" >&2; exit 2 ;;
+  esac
+done
+echo "results in $OUT/ (summary.md holds the rows for docs/benchmarks.md)"
