@@ -11,7 +11,8 @@ largest value, and the product is multiplied back by both scales. The amax is co
 tensor itself on every step, which costs one reduction per operand but needs no state: nothing to
 checkpoint, nothing for weight decay or clipping to skip, and no stale scale after a loss spike
 (the weakness of delayed scaling with an amax history). Under a sharded mesh the amax is a global
-max, which XLA turns into a small all-reduce.
+max, which XLA turns into a small all-reduce; inside the train step's dp `shard_map` (jaxgpt/step.py)
+the dp shards are split by hand, so an explicit `pmax` over the manual axes makes it global there too.
 
 How XLA sees it. The code is written as quantize-dequantize ("qdq"): x -> fp8 -> back to the
 compute dtype * scale, then an ordinary einsum. XLA:GPU's GEMM rewriter recognises
@@ -41,6 +42,8 @@ def _qdq(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
     """Round x to `fp8` with a per-tensor scale and return it in x's dtype (a value fp8 can hold)."""
     fmax = float(jnp.finfo(fp8).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    if manual := tuple(jax.sharding.get_abstract_mesh().manual_axes):
+        amax = jax.lax.pmax(amax, manual)  # one scale for the whole tensor, as on any other layout
     # the scale is rounded to x's dtype once, so quantize and dequantize use the very same value;
     # dequantize is convert(fp8 -> dtype) * scale: the pattern XLA:GPU fuses into an fp8 GEMM
     scale = jnp.where(amax > 0, amax / fmax, 1.0).astype(x.dtype)

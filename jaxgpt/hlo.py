@@ -215,6 +215,7 @@ def gemm_counts(hlo: str) -> dict[str, int]:
         target = _GEMM_TARGET.search(line)
         gemm_fusion = "kind=kCustom" in line and "gemm" in line and " fusion(" in line
         if target and ("matmul" in target.group(1) or "gemm" in target.group(1)) or gemm_fusion:
-            operands = line.split("(", 1)[1].split(")", 1)[0] if "(" in line else ""
+            call = re.search(r"(?:custom-call|fusion)\(([^)]*)\)", line)  # the operands, not a tuple result
+            operands = call.group(1) if call else ""
             out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1
     return out

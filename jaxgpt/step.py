@@ -136,8 +136,9 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
     grad_fn = jax.value_and_grad(loss_fn)
 
-    def summed_grads(params: dict, batch_BT1: jax.Array) -> tuple[jax.Array, dict]:
-        """(loss, grads) summed over the A micro-batches of `batch_BT1`."""
+    def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[jax.Array, dict]:
+        """(loss, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
+        carry the type of the loop's outputs (dp-varying inside the shard_map below)."""
         if A == 1:
             return grad_fn(params, setup.graphdef, batch_BT1, dtype)
         B, T1 = batch_BT1.shape
@@ -147,9 +148,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
             loss, grads = grad_fn(params, setup.graphdef, micro_BT1, dtype)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
-        # zeros_like keeps the parameters' dp-varying type inside shard_map, as scan's carry needs
-        some_param = jax.tree.leaves(params)[0]
-        zeros = jax.tree.map(jnp.zeros_like, (jnp.zeros_like(some_param, jnp.float32, shape=()), params))
+        zeros = vary((jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))
         return jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
 
     def mean_grads(params: dict, batch_BT1: jax.Array) -> tuple[jax.Array, dict]:
@@ -159,10 +158,11 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
         def per_dp_shard(params, local_BT1):
             # Differentiate w.r.t. a dp-varying copy of the parameters so each shard's gradient
             # stays local through the accumulation; one pmean after it (see the module docstring).
-            params = jax.lax.pcast(params, "dp", to="varying")
-            return jax.tree.map(lambda x: jax.lax.pmean(x, "dp") / A, summed_grads(params, local_BT1))
+            vary = lambda tree: jax.lax.pcast(tree, "dp", to="varying")  # noqa: E731
+            summed = summed_grads(vary(params), local_BT1, vary)
+            return jax.tree.map(lambda x: jax.lax.pmean(x, "dp") / A, summed)
 
-        return jax.shard_map(per_dp_shard, in_specs=(P(), P("dp")), out_specs=P(),
+        return jax.shard_map(per_dp_shard, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(),
                              axis_names={"dp"})(params, batch_BT1)
 
     def train_step(state: TrainState, batch_BT1: jax.Array):

@@ -14,8 +14,8 @@
 #            with fp8 from the same seed; prints both final losses and their relative gap (goal <1%)
 #
 # Writes OUT (default gpu_checks/): one .txt per step (its whole output), one .json per
-# benchmark, summary.md (markdown rows for docs/benchmarks.md, plus each benchmark's attention
-# kernel and fp8 GEMM count: with model.fp8=true 'fp8' must be > 0) and log.txt. A failing step is
+# benchmark, summary.md (markdown rows for docs/benchmarks.md, then each benchmark's attention
+# kernel and GEMM calls: with model.fp8=true 'fp8' must be > 0; and the fp8 loss gap) and log.txt. A failing step is
 # logged with its exit code and the script goes on; STEP_TIMEOUT (default 600 s) bounds each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,13 +24,16 @@ shift || true
 GROUPS_TO_RUN=${*:-parity plan bench124 bench13 fp8loss}
 PY=${PYTHON:-python}
 LIMIT=${STEP_TIMEOUT:-600}
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU: --mesh dp=1 must cover every device
 mkdir -p "$OUT"
+: >"$OUT/kernels.md"
+: >"$OUT/summary.md"  # each invocation writes its own summary
 
 step() {  # step NAME COMMAND...: run with a time limit, keep the output, log the exit code
   local name=$1; shift
   echo "== $name: $*" | tee -a "$OUT/log.txt"
   local t0=$SECONDS
-  timeout "$LIMIT" "$@" >"$OUT/$name.txt" 2>&1
+  timeout -k 120 "$LIMIT" "$@" >"$OUT/$name.txt" 2>&1  # SIGTERM first: a run saves and exits 75
   local rc=$?
   echo "   exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/log.txt"
   tail -n 3 "$OUT/$name.txt" | sed 's/^/   | /'
@@ -39,10 +42,14 @@ step() {  # step NAME COMMAND...: run with a time limit, keep the output, log th
 
 bench() {  # bench NAME ARGS...: one scripts/benchmark.py run, its row appended to summary.md
   local name=$1; shift
+  if ! grep -qs '^| config' "$OUT/summary.md"; then
+    echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |" >>"$OUT/summary.md"
+    echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
+  fi
   if step "$name" "$PY" scripts/benchmark.py --name "$name" --json "$OUT/$name.json" --steps 10 --warmup 2 "$@"; then
     grep '^|' "$OUT/$name.txt" >>"$OUT/summary.md"
     "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("  %s: attention=%s gemm_calls=%s mem_peak_GiB=%.1f" % (sys.argv[2], r["attention"], r["gemm_calls"], r["memory"]["peak"] / 2**30))' \
-      "$OUT/$name.json" "$name" | tee -a "$OUT/summary.md"
+      "$OUT/$name.json" "$name" | tee -a "$OUT/kernels.md"
   fi
 }
 
@@ -63,8 +70,6 @@ for group in $GROUPS_TO_RUN; do
       step plan-124m "$PY" -m jaxgpt.plan --config gpt2-124m
       step plan-1.3b "$PY" -m jaxgpt.plan --config gpt2-1.3b ;;
     bench124)
-      echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |" >>"$OUT/summary.md"
-      echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
       for attn in xla cudnn; do
         bench "124m-$attn" --config gpt2-124m --mesh dp=1 "model.attention=$attn"
       done
@@ -75,7 +80,7 @@ for group in $GROUPS_TO_RUN; do
       done
       bench 1.3b-cudnn-fp8 --config gpt2-1.3b --mesh dp=1 model.attention=cudnn model.fp8=true ;;
     fp8loss)
-      runs=$(mktemp -d)  # run dirs outside OUT: each ends with a ~15 GiB checkpoint, deleted below
+      runs=$(mktemp -d -p "${TMPDIR:-/var/tmp}")  # on disk, not in OUT: each run ends with a ~15 GiB checkpoint, deleted below
       for fp8 in false true; do
         step "train-1.3b-fp8-$fp8" "$PY" -m jaxgpt.train --config gpt2-1.3b --mesh dp=1 \
           --run-dir "$runs/fp8-$fp8" "model.fp8=$fp8" "train.steps=${FP8_STEPS:-100}" \
@@ -86,8 +91,9 @@ for group in $GROUPS_TO_RUN; do
       done
       bf16=$(final_loss "$runs/fp8-false") && fp8=$(final_loss "$runs/fp8-true") &&
         "$PY" -c 'import sys; a,b=map(float,sys.argv[1:]); print(f"fp8 vs bf16 final loss: {b:.4f} vs {a:.4f}, gap {100*abs(b-a)/a:.2f}% (goal < 1%)")' \
-          "$bf16" "$fp8" | tee -a "$OUT/summary.md" ;;
+          "$bf16" "$fp8" | tee -a "$OUT/kernels.md" ;;
     *) echo "unknown group $group (parity plan bench124 bench13 fp8loss)" >&2; exit 2 ;;
   esac
 done
+{ echo; cat "$OUT/kernels.md"; } >>"$OUT/summary.md"
 echo "results in $OUT/ (summary.md holds the rows for docs/benchmarks.md)"

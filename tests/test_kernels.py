@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 from helpers import run_cli, tiny_config, train_losses
 
 from jaxgpt.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
@@ -48,12 +49,14 @@ def _gpus() -> list[jax.Device]:
 def _check_kernel(impl, dtype, atol):
     q, k, v = _qkv(dtype)
     out = causal_attention(q, k, v, impl=impl)
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(reference_attention(q, k, v), np.float32),
-                               atol=atol, rtol=0)
+    with jax.default_matmul_precision("highest"):  # a true fp32 reference on a GPU too (no TF32)
+        want_out = reference_attention(q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=atol, rtol=0)
     w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
     got = jax.grad(loss(lambda *a: causal_attention(*a, impl=impl)), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=5 * atol, rtol=0)
 
@@ -104,6 +107,21 @@ def test_fp8_training_stays_close(fp32_losses, tmp_path):
     fp8 = train_losses(tmp_path)
     assert fp32_losses[-1] < fp32_losses[0] - 0.3
     np.testing.assert_allclose(fp8, fp32_losses, rtol=0.01)
+
+
+def test_fp8_scale_is_global_inside_the_dp_shard_map():
+    """The train step runs under a shard_map that is manual over dp (jaxgpt/step.py). There each
+    device sees only its rows, so the fp8 scale must still come from the whole tensor's amax
+    (a pmax over the manual axes): the quantized tensor is bit-identical to the unsharded one
+    (both jitted: eager mode rounds x / scale differently by an ulp). A per-shard scale moves
+    elements by up to half an fp8 step, ~6%."""
+    mesh = make_mesh({"dp": 8, "fsdp": 1, "tp": 1})
+    x = jax.random.normal(jax.random.key(3), (64, 32), jnp.float32) * jnp.arange(1, 65)[:, None]
+    per_shard = jax.shard_map(lambda x: _qdq(x, E4M3), mesh=mesh, in_specs=P("dp"), out_specs=P("dp"),
+                              axis_names={"dp"})
+    with jax.set_mesh(mesh):
+        got = jax.jit(per_shard)(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(lambda x: _qdq(x, E4M3))(x)))
 
 
 def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
