@@ -219,7 +219,7 @@ def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
         mesh = make_mesh({"dp": 1, "fsdp": 1, "tp": 1}, jax.devices()[:1])
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
-            restored = ckpt.restore_latest(abstract_state(cfg, setup))  # skips damaged steps; the AdamW moments come along
+            restored = ckpt.restore_latest(abstract_state(cfg, setup), params_only=True)  # skips damaged steps
     finally:
         ckpt.close()
     return restored.state.params, cfg, restored.step

@@ -67,7 +67,7 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
-        other = source.restore_latest(abstract)
+        other = source.restore_latest(abstract, params_only=cfg.checkpoint.init_params_only)
         source.close()
         assert other is not None, "find_checkpoint_dir found checkpoints that restore_latest did not"
         if not cfg.checkpoint.init_params_only:

@@ -143,15 +143,26 @@ def three_checkpoints(tmp_path, shakespeare_dir):
     return tmp_path
 
 
-def _restore(run_dir: Path, *overrides: str):
+def _restore(run_dir: Path, *overrides: str, params_only: bool = False):
     cfg = tiny_config(*overrides, mesh="dp=8")
     mesh = make_mesh(validate(cfg, 8))
     with jax.set_mesh(mesh):
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
         try:
-            return ckpt.restore_latest(abstract_state(cfg, make_setup(cfg, mesh)))
+            return ckpt.restore_latest(abstract_state(cfg, make_setup(cfg, mesh)), params_only=params_only)
         finally:
             ckpt.close()
+
+
+def test_params_only_restore_reads_no_optimizer_state(three_checkpoints):
+    """Sampling, export and init_params_only fine-tuning restore the parameters alone: the same
+    values as a full restore, and not one AdamW moment read."""
+    full, light = _restore(three_checkpoints), _restore(three_checkpoints, params_only=True)
+    assert light.step == full.step == 6
+    for a, b in zip(jax.tree.leaves(light.state.params), jax.tree.leaves(full.state.params)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    assert light.state.opt_state is None and full.state.opt_state is not None
 
 
 def test_checkpoint_without_commit_marker_is_skipped(three_checkpoints, capsys):
