@@ -142,12 +142,10 @@ class Checkpointer:
 def _read_params(step_dir: Path, abstract: TrainState) -> dict:
     """The parameters alone from a checkpoint's `state` item, in `abstract.params`' shardings."""
     item = {"params": abstract.params}
-    restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype), item)
     reader = ocp.PyTreeCheckpointer()
     try:
         return reader.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args, partial_restore=True))["params"]
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True))["params"]
     finally:
         reader.close()
 

@@ -199,7 +199,7 @@ def wire_bytes(hlo: str, n_devices: int) -> dict[str, int]:
     return out
 
 
-_GEMM_TARGET = re.compile(r'custom_call_target="(__cublas\$[\w$]*|__cudnn\$[\w$]*)"')
+_GEMM_TARGET = re.compile(r'custom_call_target="__cu(?:blas|dnn)\$[\w$]*(?:gemm|matmul)[\w$]*"')
 _FP8 = re.compile(r"\bf8e[45]m[23]\w*\[")
 
 
@@ -212,9 +212,8 @@ def gemm_counts(hlo: str) -> dict[str, int]:
     the matmuls ran in bf16. XLA:CPU has neither, so both counts are 0 there."""
     out = {"fp8": 0, "other": 0}
     for line in hlo.splitlines():
-        target = _GEMM_TARGET.search(line)
         gemm_fusion = "kind=kCustom" in line and "gemm" in line and " fusion(" in line
-        if target and ("matmul" in target.group(1) or "gemm" in target.group(1)) or gemm_fusion:
+        if _GEMM_TARGET.search(line) or gemm_fusion:
             call = re.search(r"(?:custom-call|fusion)\(([^)]*)\)", line)  # the operands, not a tuple result
             operands = call.group(1) if call else ""
             out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1

@@ -103,7 +103,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     tokens_per_step = t.batch_size * m.seq_len
     rate = tokens_per_step / step_s
     dtype = np.dtype(compute_dtype(m.dtype)).name
-    peak = peak_flops(devices[0], "fp8" if getattr(m, "fp8", False) else dtype)
+    peak = peak_flops(devices[0], "fp8" if m.fp8 else dtype)
     input_rate = input_tokens_per_sec(cfg, tokens, input_batches)
     hlo = compiled.as_text()
     collectives = plan.collective_summary(hlo, len(devices))
