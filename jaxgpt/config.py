@@ -59,6 +59,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = _f("shakespeare", "'shakespeare' (bundled, prepared on first use) or a dir made by python -m jaxgpt.prepare")
+    mix: str = _f("", "mixture of prepared dirs with weights, e.g. 'web:0.7,code:0.3' (replaces data.path when set)")
     num_threads: int = _f(2, "Grain reader threads per process")
     prefetch: int = _f(4, "batches Grain prepares ahead of the device")
 

@@ -1,30 +1,50 @@
-"""`python -m jaxgpt.prepare FILE [FILE ...] --out DIR [--val-fraction 0.1]`: text -> token files.
+"""`python -m jaxgpt.prepare INPUT... --out DIR`: text, JSON Lines or Parquet -> token shards.
 
-All the work is `jaxgpt.data.prepare`; mistakes a user can fix are one `error: ...` line on stderr
-and exit code 2, with no traceback.
+All the work is `jaxgpt.data.prepare_corpus` (jaxgpt/data/corpus.py); mistakes a user can fix
+are one `error: ...` line on stderr and exit code 2, with no traceback. Running the same command
+again resumes an interrupted preparation, or does nothing if it finished.
 """
 
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxgpt.data import prepare
 from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.data.corpus import DEFAULT_SHARD_TOKENS, default_workers, prepare_corpus
 
 
 def _prepare(argv: Sequence[str] | None) -> None:
-    parser = ArgumentParser(prog="python -m jaxgpt.prepare",
-                     description="Tokenize text files with GPT-2 BPE into train.bin, val.bin "
-                                 "and meta.json.")
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="UTF-8 text files")
+    parser = ArgumentParser(
+        prog="python -m jaxgpt.prepare",
+        description="Tokenize documents with GPT-2 BPE into fixed-size token shards "
+                    "(train-00000.bin, ..., val-00000.bin, ...) and meta.json. Inputs: UTF-8 text "
+                    "files (one document each, or split by --separator), JSON Lines (.jsonl, "
+                    ".ndjson, .json; also .gz/.zst) and Parquet, as files, directories or globs.")
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
     parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
     parser.add_argument("--val-fraction", type=float, default=0.1,
-                        help="fraction of the characters (the end) kept for validation")
+                        help="fraction of the documents (every 1/f-th one) kept for validation "
+                             "(default 0.1)")
+    parser.add_argument("--text-field", default="text",
+                        help="JSON field / Parquet column holding the text (default: text)")
+    parser.add_argument("--separator", default=None,
+                        help="split text files into documents on this string (Python escapes such "
+                             "as \\n are understood, e.g. '\\n\\n'); default: one document per file")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip (and count) JSON Lines that are not JSON or lack the text field")
+    parser.add_argument("--workers", type=int, default=None,
+                        help=f"tokenizer processes (default: all cores, here {default_workers()})")
+    parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
+    parser.add_argument("--progress", default="auto", choices=("auto", "bar", "lines"),
+                        help="a progress bar on a terminal, else periodic lines (auto)")
     args = parser.parse_args(argv)
-    meta = prepare(args.files, args.out, val_fraction=args.val_fraction)
-    print(f"wrote {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens to "
-          f"{args.out}")
-    return 0
+    separator = args.separator
+    if separator is not None:
+        separator = separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    prepare_corpus(args.inputs, args.out, text_field=args.text_field, separator=separator,
+                   val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                   workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=args.progress)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

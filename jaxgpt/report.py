@@ -131,7 +131,9 @@ def _setup_rows(start: dict | None, starts: list[dict], cfg: dict) -> list[tuple
             ("mesh", mesh), ("interconnect", s.get("interconnect", unknown)),
             ("effective batch", effective), ("sequence length", str(seq) if seq else unknown),
             ("precision", precision), ("attention kernel", attention), ("checkpoints", cadence),
-            ("parameters", f"{s['params'] / 1e6:.1f}M" if "params" in s else unknown)]
+            ("parameters", f"{s['params'] / 1e6:.1f}M" if "params" in s else unknown),
+            ("data", f"mixture {_get(cfg, 'data', 'mix')}" if _get(cfg, "data", "mix")
+             else str(_get(cfg, "data", "path", unknown)))]
 
 
 def _throughput(train: list[dict], every: Any) -> list[str]:

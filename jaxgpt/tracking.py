@@ -299,4 +299,5 @@ def run_info(cfg: Config, run_dir: Path, sizes: dict[str, int], devices: list[ja
             "interconnect": interconnect(devices), "compute_dtype": dtype, "fp8": cfg.model.fp8,
             "attention": kernel, "attention_reason": kernel_reason, "params": params,
             "peak_flops_per_device": peak, "config": str((Path(run_dir) / "config.yaml").absolute()),
-            "command": sys.argv, "host": socket.gethostname(), "jax": jax.__version__}
+            "command": sys.argv, "host": socket.gethostname(), "jax": jax.__version__,
+            "data": cfg.data.mix or cfg.data.path}

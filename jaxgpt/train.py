@@ -108,9 +108,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
         raise UserError(layout_error)
     dtype = compute_dtype(cfg.model.dtype)
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
-    data_dir = data.resolve_data_dir(cfg.data.path)
-    validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
-    train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
+    train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix)
+    validate(cfg, len(devices), data_vocab)
     t, m = cfg.train, cfg.model
     pid, nproc = jax.process_index(), jax.process_count()
     batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,

@@ -281,7 +281,8 @@ def test_prepare_cli(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 10)
-    ok = run_prepare_cli(text, "--out", tmp_path / "out", "--val-fraction", "0.2")
+    ok = run_prepare_cli(text, "--out", tmp_path / "out", "--val-fraction", "0.2", "--separator", "\\n")
     assert ok.returncode == 0, ok.stderr
     assert str(tmp_path / "out") in ok.stdout and len(ok.stdout.strip().splitlines()) == 1
-    assert data.load_meta(tmp_path / "out")["val_fraction"] == 0.2
+    meta = data.load_meta(tmp_path / "out")
+    assert meta["val_fraction"] == 0.2 and (meta["train_documents"], meta["val_documents"]) == (8, 2)

@@ -1,0 +1,301 @@
+"""`prepare_corpus`: input files -> sharded tokens, streamed in bounded memory on every core.
+
+The pipeline, and why its output never depends on the number of workers:
+
+1. The inputs are hashed (sha256, in threads) before anything else: the hashes identify the
+   sources in meta.json and, with the options, form the preparation's *fingerprint*, which
+   decides whether an existing output directory is this preparation (finished: nothing to do;
+   unfinished: resume) or another one (refused).
+2. readers.py turns the files into a stream of pieces (a document, or a safe slice of a long
+   one). The main process cuts the stream into batches of about `batch_chars` characters; batch
+   boundaries depend only on the input, never on the workers.
+3. Each batch is split into tasks of about a MiB of text, encoded by a pool of worker processes
+   (`encode_ordinary`, then uint16/uint32 bytes: cheap to send back, unlike lists of ints) and
+   collected in task order. While the workers encode batch b, the main process reads batch
+   b + 1; at most `_IN_FLIGHT` batches exist at once, so memory does not grow with the corpus.
+4. Documents are assigned to val in order: document i (counting non-empty documents from 0)
+   goes to val when floor((i + 1) * f) > floor(i * f) for f = val_fraction, i.e. every 1/f-th
+   document, so the split is exact, streamable and never cuts a document. One `<|endoftext|>`
+   goes between consecutive documents of a split.
+5. writer.py appends each split's tokens to fixed-size shards and records a resume state after
+   every batch; meta.json is written last.
+
+Because every step is a deterministic function of the input stream, any worker count, and any
+number of interruptions, gives the same bytes. Measured throughput: docs/benchmarks.md.
+"""
+
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from jaxgpt import tokenizer
+from jaxgpt.data import readers
+from jaxgpt.data.writer import META, STATE, SplitWriter, read_state, write_json_atomically
+from jaxgpt.errors import UserError
+
+FORMAT_VERSION = 1
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16, as nanoGPT's FineWeb shards
+_TASK_CHARS = 1 << 20
+_IN_FLIGHT = 2
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def token_dtype(n_vocab: int = tokenizer.N_VOCAB) -> np.dtype:
+    return np.dtype("<u2") if n_vocab <= 1 << 16 else np.dtype("<u4")
+
+
+def encode_task(texts: list[str]) -> tuple[bytes, list[int], int]:
+    """Worker: the pieces' tokens (concatenated bytes), each piece's token count, UTF-8 bytes in."""
+    enc, dtype = tokenizer.gpt2_encoding(), token_dtype()
+    ids = [enc.encode_ordinary(t) for t in texts]
+    flat = np.fromiter((i for piece in ids for i in piece), dtype=dtype, count=sum(map(len, ids)))
+    return flat.tobytes(), [len(p) for p in ids], sum(len(t.encode("utf-8")) for t in texts)
+
+
+def _hash_file(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as e:
+        raise UserError(f"Cannot read {path}: {e.strerror}.") from None
+    return {"path": str(path), "bytes": path.stat().st_size, "sha256": digest}
+
+
+def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: str = "text",
+                   separator: str | None = None, val_fraction: float = 0.1,
+                   shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
+                   skip_bad_lines: bool = False, progress: str = "auto",
+                   batch_chars: int = 8 << 20) -> dict:
+    """Prepares (or resumes, or finds already prepared) `out_dir`; returns its meta.json."""
+    if not 0.0 < val_fraction < 1.0:
+        raise UserError(f"--val-fraction must lie strictly between 0 and 1, got {val_fraction}.")
+    if shard_tokens < 1:
+        raise UserError(f"--shard-tokens must be positive, got {shard_tokens}.")
+    workers = workers or default_workers()
+    if workers < 1:
+        raise UserError(f"--workers must be positive, got {workers}.")
+    started = time.time()
+    out_dir = Path(out_dir)
+    files = readers.find_inputs(inputs)
+    reader = readers.Reader(files, text_field=text_field, separator=separator,
+                            skip_bad_lines=skip_bad_lines)
+    show = Progress(progress, sum(p.stat().st_size for p in files))
+    show.note(f"hashing {len(files)} input file{'s' * (len(files) > 1)}")
+    with ThreadPoolExecutor(workers) as pool:
+        sources = list(pool.map(_hash_file, files))
+    dtype = token_dtype()
+    identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.vocab_sha256(),
+                "text_field": text_field, "separator": separator, "val_fraction": val_fraction,
+                "shard_tokens": shard_tokens, "dtype": dtype.name, "piece_chars": readers.MAX_PIECE_CHARS,
+                "sources": [(s["bytes"], s["sha256"]) for s in sources]}
+    fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    state = read_state(out_dir, fingerprint)
+    if state and state["finished"]:
+        show.close()
+        print(f"{out_dir} already holds this preparation; nothing to do", flush=True)
+        return {k: v for k, v in state.items() if k != "finished"}
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    run = _Run(out_dir, reader, dtype, shard_tokens, Fraction(val_fraction).limit_denominator(10**6),
+               state, fingerprint)
+    if state:
+        show.note(f"resuming at input file {state['cursor'][0] + 1} of {len(files)}, "
+                  f"{run.tokens():,} tokens already written")
+    show.start(sum(p.stat().st_size for p in files[:run.cursor[0]]), run)
+    try:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            in_flight: deque = deque()
+            for batch, cursor, bad_lines in run.batches(batch_chars):
+                tasks = _tasks([text for text, _ in batch])
+                in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
+                if len(in_flight) > _IN_FLIGHT:
+                    run.commit(*in_flight.popleft())
+                    show.update(files, run.cursor, reader.file_bytes_read)
+            while in_flight:
+                run.commit(*in_flight.popleft())
+                show.update(files, run.cursor, reader.file_bytes_read)
+        meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
+                          shard_tokens, identity)
+    finally:
+        run.close()
+        show.close()
+    took = time.time() - started
+    n_tokens, n_docs = meta["train_tokens"] + meta["val_tokens"], meta["train_documents"] + meta["val_documents"]
+    print(f"prepared {out_dir}: {n_tokens:,} tokens ({meta['train_tokens']:,} train, "
+          f"{meta['val_tokens']:,} val) from {n_docs:,} documents in {len(meta['shards']['train'])} + "
+          f"{len(meta['shards']['val'])} shards; {n_tokens / max(meta['text_bytes'], 1):.3f} tokens "
+          f"per byte; {took:.1f} s ({meta['text_bytes'] / 1e6 / max(took, 1e-9):.1f} MB/s)"
+          + (f"; skipped {meta['bad_lines_skipped']:,} bad lines" if meta["bad_lines_skipped"] else ""),
+          flush=True)
+    return meta
+
+
+def _tasks(texts: list[str]) -> list[list[str]]:
+    tasks, size = [[]], 0
+    for t in texts:
+        if size >= _TASK_CHARS:
+            tasks.append([])
+            size = 0
+        tasks[-1].append(t)
+        size += len(t)
+    return tasks
+
+
+class _Run:
+    """One preparation's mutable state: the input cursor, counts and the two split writers."""
+
+    def __init__(self, out_dir, reader, dtype, shard_tokens, val_fraction, state, fingerprint):
+        self.out_dir, self.reader, self.val_fraction, self.fingerprint = out_dir, reader, val_fraction, fingerprint
+        s = state or {"cursor": [0, 0], "documents": {"train": 0, "val": 0}, "current_split": None,
+                      "text_bytes": 0, "bad_lines": 0, "splits": {"train": None, "val": None}}
+        self.cursor, self.documents = list(s["cursor"]), dict(s["documents"])
+        self.current, self.text_bytes, self.bad_lines = s["current_split"], s["text_bytes"], s["bad_lines"]
+        self.writers = {split: SplitWriter(out_dir, split, shard_tokens, dtype, s["splits"][split])
+                        for split in ("train", "val")}
+
+    def tokens(self) -> int:
+        return sum(w.total for w in self.writers.values())
+
+    def batches(self, batch_chars: int):
+        """(pieces, cursor after them, bad lines so far) from the cursor on."""
+        files = self.reader.files
+        batch, size = [], 0
+        for i in range(self.cursor[0], len(files)):
+            n = self.cursor[1] if i == self.cursor[0] else 0
+            for piece in self.reader.pieces(i, n, self.bad_lines if i == self.cursor[0] else None):
+                batch.append(piece)
+                size += len(piece[0])
+                n += 1
+                if size >= batch_chars:
+                    yield batch, (i, n), self.reader.bad_lines
+                    batch, size = [], 0
+            if batch and i == len(files) - 1:
+                yield batch, (i, n), self.reader.bad_lines
+
+    def _is_val(self, doc: int) -> bool:
+        f = self.val_fraction
+        return math.floor((doc + 1) * f) > math.floor(doc * f)
+
+    def commit(self, batch, cursor, bad_lines, result) -> None:
+        """Writes one encoded batch, then records the state that resuming after it needs."""
+        eot = np.asarray([tokenizer.EOT_ID], dtype=next(iter(self.writers.values())).dtype)
+        dtype = eot.dtype
+        pieces = iter(batch)
+        for data, lengths, text_bytes in result.get():
+            tokens, start = np.frombuffer(data, dtype=dtype), 0
+            for n in lengths:
+                _, starts_document = next(pieces)
+                if starts_document:
+                    doc = sum(self.documents.values())
+                    self.current = "val" if self._is_val(doc) else "train"
+                    self.documents[self.current] += 1
+                    if self.writers[self.current].total:
+                        self.writers[self.current].append(eot)
+                self.writers[self.current].append(tokens[start:start + n])
+                start += n
+            self.text_bytes += text_bytes
+        self.cursor, self.bad_lines = list(cursor), bad_lines
+        write_json_atomically(self.out_dir / STATE, {
+            "fingerprint": self.fingerprint, "cursor": self.cursor, "documents": self.documents,
+            "current_split": self.current, "text_bytes": self.text_bytes, "bad_lines": self.bad_lines,
+            "splits": {s: w.state() for s, w in self.writers.items()}})
+
+    def finish(self, sources, skip_bad_lines, text_field, separator, val_fraction, shard_tokens,
+               identity) -> dict:
+        docs = sum(self.documents.values())
+        for split in ("train", "val"):
+            if not self.writers[split].total:
+                hint = ("add documents or raise --val-fraction" if split == "val" else "add text")
+                if docs == 1:
+                    hint = "a text file is one document unless --separator splits it"
+                raise UserError(f"The {split} split is empty: {docs:,} document{'s' * (docs != 1)} "
+                                f"with --val-fraction {val_fraction} put none in it ({hint}); remove "
+                                f"{self.out_dir} and prepare again.")
+        shards = {split: w.finish() for split, w in self.writers.items()}
+        meta = {
+            "tokenizer": tokenizer.TOKENIZER_NAME,
+            "tokenizer_sha256": tokenizer.vocab_sha256(),
+            "vocab_size": tokenizer.N_VOCAB,
+            "dtype": identity["dtype"],
+            "train_tokens": sum(s["tokens"] for s in shards["train"]),
+            "val_tokens": sum(s["tokens"] for s in shards["val"]),
+            "train_documents": self.documents["train"],
+            "val_documents": self.documents["val"],
+            "text_bytes": self.text_bytes,
+            "bad_lines_skipped": self.bad_lines,
+            "shards": shards,
+            "sources": sources,
+            "sources_sha256": hashlib.sha256("".join(s["sha256"] for s in sources).encode()).hexdigest(),
+            "val_fraction": val_fraction,
+            "text_field": text_field,
+            "separator": separator,
+            "shard_tokens": shard_tokens,
+            "skip_bad_lines": skip_bad_lines,
+            "format_version": FORMAT_VERSION,
+            "fingerprint": self.fingerprint,
+        }
+        write_json_atomically(self.out_dir / META, meta)
+        (self.out_dir / STATE).unlink()
+        return meta
+
+    def close(self) -> None:
+        for w in self.writers.values():
+            w.close()
+
+
+class Progress:
+    """A tqdm bar on a terminal; otherwise a plain line every `every` seconds (logs, CI)."""
+
+    def __init__(self, mode: str, total_bytes: int, every: float = 30.0):
+        if mode not in ("auto", "bar", "lines"):
+            raise UserError(f"--progress must be auto, bar or lines, got {mode!r}.")
+        self.bar_mode = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
+        self.total, self.every, self.bar, self.run = total_bytes, every, None, None
+
+    def note(self, text: str) -> None:
+        print(f"prepare: {text}", file=sys.stderr, flush=True)
+
+    def start(self, done_bytes: int, run: _Run) -> None:
+        self.run, self.t0, self.b0, self.last = run, time.time(), done_bytes, time.time()
+        self.tokens0 = run.tokens()
+        if self.bar_mode:
+            from tqdm import tqdm
+            self.bar = tqdm(total=self.total, initial=done_bytes, unit="B", unit_scale=True,
+                            desc="prepare", dynamic_ncols=True)
+
+    def update(self, files, cursor, file_bytes_read) -> None:
+        i = cursor[0]
+        done = sum(p.stat().st_size for p in files[:i]) + (file_bytes_read if i < len(files) else 0)
+        done = min(done, self.total)
+        docs, tokens = sum(self.run.documents.values()), self.run.tokens()
+        if self.bar is not None:
+            self.bar.update(done - self.bar.n)
+            self.bar.set_postfix(docs=f"{docs:,}", tokens=f"{tokens:,}", refresh=False)
+        elif time.time() - self.last >= self.every:
+            self.last = time.time()
+            elapsed = self.last - self.t0
+            rate = (done - self.b0) / max(elapsed, 1e-9)
+            eta = (self.total - done) / rate if rate > 0 else float("inf")
+            print(f"prepare: {done / 1e6:,.0f} of {self.total / 1e6:,.0f} MB ({100 * done / max(self.total, 1):.0f}%), "
+                  f"{docs:,} documents, {tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
+                  f"{(tokens - self.tokens0) / max(elapsed, 1e-9):,.0f} tokens/s, ETA {eta:.0f} s",
+                  file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
