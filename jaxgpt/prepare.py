@@ -36,6 +36,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
                         help=f"tokenizer processes (default: all cores, here {default_workers()})")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
                         help=f"tokens per shard (default {DEFAULT_SHARD_TOKENS:,})")
+    parser.add_argument("--batch-mb", type=float, default=8.0,
+                        help="MB of text read, encoded and committed at a time (default 8)")
     parser.add_argument("--progress", default="auto", choices=("auto", "bar", "lines"),
                         help="a progress bar on a terminal, else periodic lines (auto)")
     args = parser.parse_args(argv)
@@ -44,7 +46,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
         separator = separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
     prepare_corpus(args.inputs, args.out, text_field=args.text_field, separator=separator,
                    val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                   workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=args.progress)
+                   workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=args.progress,
+                   batch_chars=max(1, int(args.batch_mb * 1e6)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -108,6 +109,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
         show.close()
         print(f"{out_dir} already holds this preparation; nothing to do", flush=True)
         return {k: v for k, v in state.items() if k != "finished"}
+    fresh = state is None  # out_dir is missing or empty
     out_dir.mkdir(parents=True, exist_ok=True)
 
     run = _Run(out_dir, reader, dtype, shard_tokens, Fraction(val_fraction).limit_denominator(10**6),
@@ -130,6 +132,11 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
                 show.update(files, run.cursor, reader.file_bytes_read)
         meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
                           shard_tokens, identity)
+    except UserError:
+        run.close()
+        if fresh and not (out_dir / STATE).exists():  # bad input before anything was committed:
+            shutil.rmtree(out_dir)  # leave no directory that a corrected run would refuse
+        raise
     finally:
         run.close()
         show.close()
