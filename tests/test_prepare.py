@@ -21,7 +21,7 @@ import zstandard
 
 from jaxgpt import data, tokenizer
 from jaxgpt.data import readers, writer
-from jaxgpt.data.corpus import prepare_corpus
+from jaxgpt.data.corpus import encode_task, prepare_corpus
 from jaxgpt.errors import UserError
 from jaxgpt.prepare import main
 
@@ -92,6 +92,11 @@ def test_long_documents_are_cut_where_tokens_do_not_change(tmp_path, monkeypatch
     assert len(pieces) > 300 and "".join(p for p, _ in pieces) == text
     assert [first for _, first in pieces] == [True] + [False] * (len(pieces) - 1)
     assert sum((enc.encode_ordinary(p) for p, _ in pieces), []) == enc.encode_ordinary(text)
+    # The workers' encoder is encode_ordinary: text spelling <|endoftext|> is not the EOT token.
+    tricky = ["a <|endoftext|> b", "", "x" * 5]
+    data_bytes, lengths, _ = encode_task(tricky)
+    assert np.frombuffer(data_bytes, "<u2").tolist() == sum(map(enc.encode_ordinary, tricky), [])
+    assert lengths == [len(enc.encode_ordinary(t)) for t in tricky]
 
     # Streaming a text file in small reads, with and without a separator, loses nothing.
     monkeypatch.setattr(readers, "_READ_CHARS", 5_000)

@@ -60,10 +60,14 @@ def token_dtype(n_vocab: int = tokenizer.N_VOCAB) -> np.dtype:
 
 
 def encode_task(texts: list[str]) -> tuple[bytes, list[int], int]:
-    """Worker: the pieces' tokens (concatenated bytes), each piece's token count, UTF-8 bytes in."""
+    """Worker: the pieces' tokens (concatenated bytes), each piece's token count, UTF-8 bytes in.
+
+    `encode_to_numpy` with no special token allowed or disallowed is `encode_ordinary` (text
+    that spells "<|endoftext|>" stays plain text) without building a Python list of ints.
+    """
     enc, dtype = tokenizer.gpt2_encoding(), token_dtype()
-    ids = [enc.encode_ordinary(t) for t in texts]
-    flat = np.fromiter((i for piece in ids for i in piece), dtype=dtype, count=sum(map(len, ids)))
+    ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    flat = np.concatenate(ids).astype(dtype) if ids else np.empty(0, dtype)
     return flat.tobytes(), [len(p) for p in ids], sum(len(t.encode("utf-8")) for t in texts)
 
 
@@ -118,6 +122,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
         show.note(f"resuming at input file {state['cursor'][0] + 1} of {len(files)}, "
                   f"{run.tokens():,} tokens already written")
     show.start(sum(p.stat().st_size for p in files[:run.cursor[0]]), run)
+    bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
             in_flight: deque = deque()
@@ -145,7 +150,8 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     print(f"prepared {out_dir}: {n_tokens:,} tokens ({meta['train_tokens']:,} train, "
           f"{meta['val_tokens']:,} val) from {n_docs:,} documents in {len(meta['shards']['train'])} + "
           f"{len(meta['shards']['val'])} shards; {n_tokens / max(meta['text_bytes'], 1):.3f} tokens "
-          f"per byte; {took:.1f} s ({meta['text_bytes'] / 1e6 / max(took, 1e-9):.1f} MB/s)"
+          f"per byte; {took:.1f} s ({(meta['text_bytes'] - bytes_before) / 1e6 / max(took, 1e-9):.1f} MB/s"
+          f"{', resumed' if bytes_before else ''})"
           + (f"; skipped {meta['bad_lines_skipped']:,} bad lines" if meta["bad_lines_skipped"] else ""),
           flush=True)
     return meta
