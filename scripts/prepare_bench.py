@@ -3,6 +3,7 @@
     python scripts/prepare_bench.py corpus --out DIR --gb 2 [--formats jsonl,parquet] [--slice-mb 200]
     python scripts/prepare_bench.py prepare INPUT --out DIR [--workers N] [prepare flags ...]
     python scripts/prepare_bench.py bare INPUT.jsonl          # encode_ordinary, one thread, same text
+    python scripts/prepare_bench.py threads INPUT.jsonl       # tiktoken's encode_ordinary_batch, 1 vs 2 threads
     python scripts/prepare_bench.py old TEXT_FILE --out DIR   # the in-memory single-file prepare
     python scripts/prepare_bench.py loader DIR [DIR ...]      # train_iterator tokens/s per prepared dir
 
@@ -194,6 +195,27 @@ def bench_bare(args) -> dict:
             "mb_per_s": round(nbytes / 1e6 / spent, 2), "tokens_per_s": round(ntok / spent)}
 
 
+def bench_threads(args) -> dict:
+    """tiktoken's own threaded batch encoder (the alternative to worker processes), same text."""
+    from jaxgpt import tokenizer
+    enc = tokenizer.gpt2_encoding()
+    texts, nbytes = [], 0
+    with open(args.input) as f:
+        for line in f:
+            texts.append(json.loads(line)["text"])
+            nbytes += len(texts[-1].encode())
+            if nbytes >= args.mb * 1e6:
+                break
+    rows = {}
+    for n in (1, 2):
+        w0, c0 = time.perf_counter(), time.process_time()
+        enc.encode_ordinary_batch(texts, num_threads=n)
+        wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        rows[f"threads={n}"] = {"mb_per_s": round(nbytes / 1e6 / wall, 2), "cpu_s": round(cpu, 1),
+                                "wall_s": round(wall, 1)}
+    return {"command": "tiktoken encode_ordinary_batch", "text_mb": round(nbytes / 1e6, 1), **rows}
+
+
 def bench_old(args) -> dict:
     code = f"from jaxgpt.data import prepare; prepare([{args.input!r}], {args.out!r})"
     wall, peak, _, cpu = run_measured([sys.executable, "-c", code])
@@ -237,6 +259,9 @@ def main() -> None:
     pr.add_argument("--workers", type=int, default=None)
     b = sub.add_parser("bare")
     b.add_argument("input")
+    th = sub.add_parser("threads")
+    th.add_argument("input")
+    th.add_argument("--mb", type=float, default=50.0)
     o = sub.add_parser("old")
     o.add_argument("input")
     o.add_argument("--out", required=True)
@@ -250,6 +275,8 @@ def main() -> None:
         row = bench_prepare(args, extra)
     elif args.cmd == "bare":
         row = bench_bare(args)
+    elif args.cmd == "threads":
+        row = bench_threads(args)
     elif args.cmd == "old":
         row = bench_old(args)
     else:

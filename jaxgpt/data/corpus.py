@@ -98,7 +98,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     files = readers.find_inputs(inputs)
     reader = readers.Reader(files, text_field=text_field, separator=separator,
                             skip_bad_lines=skip_bad_lines)
-    show = Progress(progress, sum(p.stat().st_size for p in files))
+    show = Progress(progress, [p.stat().st_size for p in files])
     show.note(f"hashing {len(files)} input file{'s' * (len(files) > 1)}")
     with ThreadPoolExecutor(workers) as pool:
         sources = list(pool.map(_hash_file, files))
@@ -121,7 +121,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     if state:
         show.note(f"resuming at input file {state['cursor'][0] + 1} of {len(files)}, "
                   f"{run.tokens():,} tokens already written")
-    show.start(sum(p.stat().st_size for p in files[:run.cursor[0]]), run)
+    show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
@@ -131,10 +131,10 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
                 in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
                 if len(in_flight) > _IN_FLIGHT:
                     run.commit(*in_flight.popleft())
-                    show.update(files, run.cursor, reader.file_bytes_read)
+                    show.update(run.cursor, reader.file_bytes_read)
             while in_flight:
                 run.commit(*in_flight.popleft())
-                show.update(files, run.cursor, reader.file_bytes_read)
+                show.update(run.cursor, reader.file_bytes_read)
         meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
                           shard_tokens, identity)
     except UserError:
@@ -273,16 +273,18 @@ class _Run:
 class Progress:
     """A tqdm bar on a terminal; otherwise a plain line every `every` seconds (logs, CI)."""
 
-    def __init__(self, mode: str, total_bytes: int, every: float = 30.0):
+    def __init__(self, mode: str, file_sizes: list[int], every: float = 30.0):
         if mode not in ("auto", "bar", "lines"):
             raise UserError(f"--progress must be auto, bar or lines, got {mode!r}.")
         self.bar_mode = mode == "bar" or (mode == "auto" and sys.stderr.isatty())
-        self.total, self.every, self.bar, self.run = total_bytes, every, None, None
+        self.before = np.cumsum([0] + file_sizes)  # input bytes before file i
+        self.total, self.every, self.bar, self.run = int(self.before[-1]), every, None, None
 
     def note(self, text: str) -> None:
         print(f"prepare: {text}", file=sys.stderr, flush=True)
 
-    def start(self, done_bytes: int, run: _Run) -> None:
+    def start(self, run: _Run) -> None:
+        done_bytes = int(self.before[run.cursor[0]])
         self.run, self.t0, self.b0, self.last = run, time.time(), done_bytes, time.time()
         self.tokens0 = run.tokens()
         if self.bar_mode:
@@ -290,10 +292,8 @@ class Progress:
             self.bar = tqdm(total=self.total, initial=done_bytes, unit="B", unit_scale=True,
                             desc="prepare", dynamic_ncols=True)
 
-    def update(self, files, cursor, file_bytes_read) -> None:
-        i = cursor[0]
-        done = sum(p.stat().st_size for p in files[:i]) + (file_bytes_read if i < len(files) else 0)
-        done = min(done, self.total)
+    def update(self, cursor, file_bytes_read) -> None:
+        done = min(int(self.before[cursor[0]]) + file_bytes_read, self.total)
         docs, tokens = sum(self.run.documents.values()), self.run.tokens()
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
