@@ -190,7 +190,7 @@ class Reader:
         import pyarrow as pa
         import pyarrow.parquet as pq
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)  # page by page
         except OSError as e:
             raise UserError(f"Cannot read {path}: {e.strerror}.") from None
         except pa.ArrowException as e:
@@ -207,7 +207,7 @@ class Reader:
         done = 0
         try:
             for g in range(meta.num_row_groups):
-                for batch in pf.iter_batches(batch_size=4096, row_groups=[g], columns=[self.text_field]):
+                for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.text_field]):
                     for text in batch.column(0).to_pylist():
                         if text is not None:
                             yield text
