@@ -168,6 +168,9 @@ def _nearest(key: str, options) -> str:
 def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
     want = type(f.default)
+    if key == "data.mix" and isinstance(raw, list):  # YAML list form: [{web: 0.7}, {code: 0.3}] or ["web:0.7", ...]
+        raw = ",".join(",".join(f"{k}:{v}" for k, v in item.items()) if isinstance(item, dict) else str(item)
+                       for item in raw)
     value = yaml.safe_load(raw) if isinstance(raw, str) and want is not str else raw
     if want in (int, float) and isinstance(value, str):
         try:  # YAML 1.1 reads '1e-3' as a string

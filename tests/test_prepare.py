@@ -20,6 +20,7 @@ import pytest
 import zstandard
 
 from jaxgpt import data, tokenizer
+from jaxgpt.config import load_config
 from jaxgpt.data import readers, writer
 from jaxgpt.data.corpus import encode_task, prepare_corpus
 from jaxgpt.errors import UserError
@@ -262,6 +263,9 @@ def test_mixture_weights_disjoint_processes_and_exact_resume(tmp_path):
         val, seq_len=seq, global_batch=g, num_batches=2, process_index=0, process_count=1)]
     with pytest.raises(UserError, match="positive weight"):
         data.parse_mix("a:0.5,b")
+    yaml_file = tmp_path / "mix.yaml"  # the YAML list form of data.mix
+    yaml_file.write_text(f"data:\n  mix:\n    - {a}: 3\n    - {b}: 1\n")
+    assert load_config(str(yaml_file)).data.mix == f"{a}:3,{b}:1"
     with pytest.raises(UserError, match="does not exist"):
         data.open_splits("shakespeare", f"{a}:1,{tmp_path / 'nowhere'}:1")
 
