@@ -205,8 +205,8 @@ class _Run:
 
     def commit(self, batch, cursor, bad_lines, result) -> None:
         """Writes one encoded batch, then records the state that resuming after it needs."""
-        eot = np.asarray([tokenizer.EOT_ID], dtype=next(iter(self.writers.values())).dtype)
-        dtype = eot.dtype
+        dtype = self.writers["train"].dtype
+        eot = np.asarray([tokenizer.EOT_ID], dtype=dtype)
         pieces = iter(batch)
         for data, lengths, text_bytes in result.get():
             tokens, start = np.frombuffer(data, dtype=dtype), 0
