@@ -77,6 +77,7 @@ describe() {  # an exit status in words
 # One attempt of the whole group; sets `status` (the first failure's exit code, or 0) and `reason`.
 attempt_local() {
   local port="$1" i s done_pid watchdog=""
+  shift
   pids=()
   for ((i = 0; i < nlocal; i++)); do
     COORDINATOR_ADDRESS="127.0.0.1:$port" NUM_PROCESSES="$nlocal" PROCESS_ID="$i" JAX_PLATFORMS=cpu \
