@@ -12,6 +12,8 @@ Layout (RUN_DIR/checkpoints/STEP/, written by `ocp.CheckpointManager`):
 
 Training has no randomness after initialisation (no dropout): the data order, fixed by the seed
 and the iterator state, is the only stream that must resume, so resumed runs are bit-identical.
+A checkpoint at step S is saved after every metrics.jsonl row of steps <= S was written (train.py
+evaluates before it saves), so resuming from S keeps exactly those rows; see train.py's docstring.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the device and the writes
 continue in a background thread. Orbax writes into a temporary directory and renames it when
