@@ -138,8 +138,8 @@ class Checkpointer:
         state as {}): sampling, export and fine-tuning need a third of the memory and
         I/O. Orbax's partial restore reads the same committed files the manager wrote.
         `config` (this run's) lets a shape mismatch name the keys that changed. `set_aside`
-        (the run resuming itself) moves damaged steps newer than the one restored to damaged/ and
-        warns about half-written saves."""
+        (the run resuming itself) moves the damaged steps newer than the one restored, and
+        half-written saves, to damaged/."""
         _quiet_closed_loops()
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
@@ -165,9 +165,7 @@ class Checkpointer:
 
     def _set_aside(self, paths: list[tuple[Path, str]]) -> None:
         """Moves damaged steps and unfinished saves to damaged/NAME-<UTC time>, one warning line
-        each (process 0 moves; the others wait for it)."""
-        if not paths:
-            return
+        each (process 0 moves; the others wait for it, whatever their own list holds)."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         for path, reason in paths:
             target = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}"
@@ -180,7 +178,8 @@ class Checkpointer:
             _warn(f"skipping checkpoint {path}: {reason}; moved it to {target}")
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("jaxgpt: damaged checkpoints set aside")
-        self.manager.reload()
+        if paths:
+            self.manager.reload()
 
     def _try_restore(self, step: int, abstract: TrainState, params_only: bool,
                      config: Config | None) -> tuple[Restored | None, str]:
