@@ -34,7 +34,7 @@ while [[ $# -gt 0 ]]; do
     --max-restarts) max_restarts="$2"; shift 2 ;;
     --per-gpu) per_gpu=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help); put train arguments after --" >&2; exit 2 ;;
   esac
 done
