@@ -1,34 +1,46 @@
 #!/usr/bin/env bash
 # Start jaxgpt on several processes: one per host (default) or one per GPU, all with the same arguments.
 #
-#   ./launch_multihost.sh --local N [--devices-per-process K] -- [train args]
+#   ./launch_multihost.sh --local N [--devices-per-process K] [--max-restarts R] -- [train args]
 #       N processes on this machine, CPU devices (K each, default 4), gloo collectives. For testing
 #       and for trying multi-host layouts without a cluster.
-#   ./launch_multihost.sh [--per-gpu] -- [train args]
+#   ./launch_multihost.sh [--per-gpu] [--max-restarts R] -- [train args]
 #       By hand, on every host: set COORDINATOR_ADDRESS=host0:port, NUM_PROCESSES and PROCESS_ID
 #       (0 on host0) first. With --per-gpu, run it once per GPU with PROCESS_ID counting GPUs and
 #       LOCAL_DEVICE_IDS=<gpu index> (NUM_PROCESSES = hosts x GPUs).
-#   ./launch_multihost.sh --slurm [--per-gpu] -- [train args]
+#   ./launch_multihost.sh --slurm [--per-gpu] [--max-restarts R] -- [train args]
 #       Inside an sbatch allocation: srun starts one task per node (or per GPU with --per-gpu);
 #       JAX reads the SLURM variables. See scripts/slurm_example.sbatch.
+#
+# --max-restarts R (default 0), as torchrun's: when a process fails, the others stop within the
+# heartbeat timeout (JAXGPT_HEARTBEAT_TIMEOUT, default 60 s; any still running 30 s after that are
+# killed), then the whole group is started again, up to R times, and resumes from its newest
+# checkpoint. --local restarts its N processes; by hand, each host's launcher restarts its own
+# process and they meet again at COORDINATOR_ADDRESS; --slurm runs srun again. No restart after
+# exit 0, 2 (bad input: it would fail again), 3 (the loss diverged: it would again, from the same
+# checkpoint), 75 (stopped on request) or when the launcher itself gets SIGINT/SIGTERM. Each
+# restart is recorded in RUN_DIR/events.jsonl (`restart`) and in the run report.
 #
 # On GPU it sets the XLA and NCCL flags below unless they are already in the environment; set
 # JAXGPT_NO_GPU_FLAGS=1 to start from a clean XLA_FLAGS instead.
 set -euo pipefail
 
-mode=manual nlocal=0 per_gpu=0 devices_per_process=4
+mode=manual nlocal=0 per_gpu=0 devices_per_process=4 max_restarts=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --local) mode=local; nlocal="$2"; shift 2 ;;
     --devices-per-process) devices_per_process="$2"; shift 2 ;;
     --slurm) mode=slurm; shift ;;
+    --max-restarts) max_restarts="$2"; shift 2 ;;
     --per-gpu) per_gpu=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help); put train arguments after --" >&2; exit 2 ;;
   esac
 done
 PYTHON="${PYTHON:-python}"
+[[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "error: --max-restarts needs a count (0 or more)" >&2; exit 2; }
+heartbeat="${JAXGPT_HEARTBEAT_TIMEOUT:-60}"
 
 gpu_flags() {
   # The latency-hiding scheduler overlaps collectives with compute; combining small collectives
@@ -56,41 +68,121 @@ gpu_flags() {
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 }
 
+describe() {  # an exit status in words
+  local s=$1
+  if (( s > 128 )); then echo "code $s (killed by SIG$(kill -l $((s - 128)) 2>/dev/null || echo $((s - 128))))"
+  else echo "code $s"; fi
+}
+
+# One attempt of the whole group; sets `status` (the first failure's exit code, or 0) and `reason`.
+attempt_local() {
+  local port="$1" i s done_pid watchdog=""
+  shift
+  pids=()
+  for ((i = 0; i < nlocal; i++)); do
+    COORDINATOR_ADDRESS="127.0.0.1:$port" NUM_PROCESSES="$nlocal" PROCESS_ID="$i" JAX_PLATFORMS=cpu \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices_per_process" \
+      "$PYTHON" -m jaxgpt.train "$@" &
+    pids+=($!)
+    echo "launch_multihost: process $i is pid $!" >&2
+  done
+  local remaining=("${pids[@]}")
+  status=0 reason=""
+  while ((${#remaining[@]})); do
+    s=0; done_pid=""
+    wait -n -p done_pid "${remaining[@]}" || s=$?
+    [[ -n "$done_pid" ]] || continue  # a trapped signal interrupted the wait
+    for i in "${!pids[@]}"; do [[ "${pids[$i]}" == "$done_pid" ]] && break; done
+    local left=()
+    for p in "${remaining[@]}"; do [[ "$p" == "$done_pid" ]] || left+=("$p"); done
+    remaining=("${left[@]+"${left[@]}"}")
+    (( s == 0 )) && continue
+    echo "launch_multihost: process $i exited with $(describe "$s")" >&2
+    if (( status == 0 )); then
+      # The first failure is the cause; the others stop within the heartbeat timeout, or are killed.
+      status=$s reason="process $i exited with $(describe "$s")"
+      if ((${#remaining[@]})); then
+        ( sleep $((heartbeat + 30)); kill -KILL "${remaining[@]}" 2>/dev/null ) &
+        watchdog=$!
+      fi
+    fi
+  done
+  [[ -z "$watchdog" ]] || kill "$watchdog" 2>/dev/null || true
+}
+
+# Runs attempt_$mode until it succeeds, fails in a way a restart cannot fix, or restarts run out.
+stopping=0 status=0 reason="" child=""
+run_with_restarts() {
+  local restart=0
+  while :; do
+    export JAXGPT_RESTART_COUNT=$restart JAXGPT_MAX_RESTARTS=$max_restarts JAXGPT_RESTART_REASON="$reason"
+    "attempt_$mode" "$@"
+    case "$status" in 0|2|3|75) return ;; esac
+    (( stopping == 0 && restart < max_restarts )) || return
+    restart=$((restart + 1))
+    echo "launch_multihost: $reason; restarting the group (restart $restart of $max_restarts)" >&2
+  done
+}
+
+# Runs "$@" in the background so that a SIGTERM/SIGINT to the launcher reaches it at once (bash
+# defers traps while a foreground child runs); sets `status`.
+run_child() {
+  local s
+  "$@" &
+  child=$!
+  while :; do
+    s=0; wait "$child" || s=$?
+    (( s > 128 )) && kill -0 "$child" 2>/dev/null && continue  # a trapped signal interrupted the wait
+    break
+  done
+  status=$s child=""
+}
+forward() { stopping=1; [[ -z "$child" ]] || kill -"$1" "$child" 2>/dev/null || true; }
+
+attempt_manual() {
+  run_child "$PYTHON" -m jaxgpt.train "$@"
+  reason="process ${PROCESS_ID} exited with $(describe "$status")"
+}
+
+attempt_slurm() {
+  if [[ $per_gpu == 1 ]]; then
+    run_child srun --ntasks-per-node="${SLURM_GPUS_ON_NODE:-8}" --gpus-per-task=1 "$PYTHON" -m jaxgpt.train "$@"
+  else
+    run_child srun --ntasks-per-node=1 "$PYTHON" -m jaxgpt.train "$@"
+  fi
+  reason="srun exited with $(describe "$status")"
+}
+
 case "$mode" in
   local)
     [[ "$nlocal" =~ ^[1-9][0-9]*$ ]] || { echo "error: --local needs a process count" >&2; exit 2; }
+    # One port for every attempt: restarted processes meet where the first ones did, as by hand.
     port="${JAXGPT_PORT:-$(( 20000 + RANDOM % 20000 ))}"
     pids=()
-    trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
-    for ((i = 0; i < nlocal; i++)); do
-      COORDINATOR_ADDRESS="127.0.0.1:$port" NUM_PROCESSES="$nlocal" PROCESS_ID="$i" JAX_PLATFORMS=cpu \
-        XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices_per_process" \
-        "$PYTHON" -m jaxgpt.train "$@" &
-      pids+=($!)
-    done
-    # Wait for all; the first non-zero exit becomes ours (the others are stopped by the heartbeat).
-    rc=0
-    for i in "${!pids[@]}"; do
-      s=0; wait "${pids[$i]}" || s=$?
-      if [[ $s -ne 0 ]]; then
-        echo "launch_multihost: process $i exited with code $s" >&2
-        [[ $rc -ne 0 ]] || rc=$s
-      fi
-    done
-    exit "$rc"
+    trap 'stopping=1; kill "${pids[@]}" 2>/dev/null || true' INT TERM
+    run_with_restarts "$port" "$@"
+    exit "$status"
     ;;
   slurm)
     gpu_flags
-    if [[ $per_gpu == 1 ]]; then
-      exec srun --ntasks-per-node="${SLURM_GPUS_ON_NODE:-8}" --gpus-per-task=1 "$PYTHON" -m jaxgpt.train "$@"
+    if (( max_restarts == 0 )); then
+      if [[ $per_gpu == 1 ]]; then
+        exec srun --ntasks-per-node="${SLURM_GPUS_ON_NODE:-8}" --gpus-per-task=1 "$PYTHON" -m jaxgpt.train "$@"
+      fi
+      exec srun --ntasks-per-node=1 "$PYTHON" -m jaxgpt.train "$@"
     fi
-    exec srun --ntasks-per-node=1 "$PYTHON" -m jaxgpt.train "$@"
+    trap 'forward TERM' TERM; trap 'forward INT' INT
+    run_with_restarts "$@"
+    exit "$status"
     ;;
   manual)
     for v in COORDINATOR_ADDRESS NUM_PROCESSES PROCESS_ID; do
       [[ -n "${!v:-}" ]] || { echo "error: set $v (or use --local N / --slurm); see --help" >&2; exit 2; }
     done
     gpu_flags
-    exec "$PYTHON" -m jaxgpt.train "$@"
+    (( max_restarts > 0 )) || exec "$PYTHON" -m jaxgpt.train "$@"
+    trap 'forward TERM' TERM; trap 'forward INT' INT
+    run_with_restarts "$@"
+    exit "$status"
     ;;
 esac

@@ -12,6 +12,8 @@ Layout (RUN_DIR/checkpoints/STEP/, written by `ocp.CheckpointManager`):
 
 Training has no randomness after initialisation (no dropout): the data order, fixed by the seed
 and the iterator state, is the only stream that must resume, so resumed runs are bit-identical.
+A checkpoint at step S is saved after every metrics.jsonl row of steps <= S was written (train.py
+evaluates before it saves), so resuming from S keeps exactly those rows; see train.py's docstring.
 
 Saves are asynchronous: `save` returns once the arrays are copied off the device and the writes
 continue in a background thread. Orbax writes into a temporary directory and renames it when
@@ -19,27 +21,60 @@ complete (plus `commit_success.txt`), so a checkpoint either exists whole or not
 never writes checkpoint files itself.
 
 Resume takes the newest step that reads back. A step directory without its commit marker, or
-whose files are missing or truncated, is skipped with a warning naming it. If checkpoints exist
-and none reads back, the run stops with an error rather than silently starting over. A checkpoint
-whose array shapes differ from the current config (say `model.n_layer` changed) is an error that
-lists the differences: that is a wrong command, not damage.
+whose metadata or array files are garbage, missing or truncated, is skipped with one warning line
+naming it and why. If checkpoints exist and none reads back, the run stops with an error rather
+than silently starting over. A checkpoint whose array shapes differ from the current config is an
+error that names the config keys that changed (`model.n_embd 32 -> 64`, read from the checkpoint's
+config item) and the arrays that differ: that is a wrong command, not damage.
+
+Damaged steps are set aside, not left in the way. When a training run resumes from step S and
+skipped newer damaged steps, each is moved to `checkpoints/damaged/STEP-<UTC time>` (said in its
+warning line); Orbax's manager ignores that directory. Otherwise the run would reach the damaged
+step again and Orbax would refuse to save over it (`StepAlreadyExistsError`), on every re-run.
+Nothing is deleted: the user decides what to do with `damaged/`. Readers of someone else's run
+(sample, export, `init_from`) only skip, never move. A half-written save, `STEP.orbax-checkpoint-tmp`
+(the process died before Orbax renamed it), is never a step; a resuming run sets it aside the same
+way (Orbax would otherwise delete it, with an absl warning, when that step is saved again).
+
+Reading a damaged checkpoint is noisy inside Orbax and TensorStore: Orbax runs each read in an
+asyncio loop that it closes when a read fails, and TensorStore's I/O threads then try to deliver
+the other reads' results to that closed loop, each raising "Event loop is closed" through
+`sys.unraisablehook`, dozens of times, from other threads, up to seconds later. The results are
+unwanted (the checkpoint is being skipped), so `_quiet_closed_loops` drops exactly that error
+from that hook, for the life of the process; and each read attempt holds what is written to file
+descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt fails
+(its warning line replaces it), written out unchanged when it succeeds.
+
+With several processes, every process tries the same step and they agree: a step any process
+cannot read is skipped by all (a truncated shard may be visible to one host only), process 0 moves
+it, and the others wait for the move before going on.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxgpt.config import CheckpointConfig, Config
 from jaxgpt.errors import UserError
 from jaxgpt.step import TrainState
 
 COMMIT_MARKER = "commit_success.txt"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: STEP.orbax-checkpoint-tmp
+DAMAGED_DIR = "damaged"
+# The ModelConfig keys that parameter shapes depend on (dtype, attention, fp8, remat do not).
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
 
 
 class Restored(NamedTuple):
@@ -96,47 +131,168 @@ class Checkpointer:
     def step_path(self, step: int) -> Path:
         return self.directory / str(step)
 
-    def restore_latest(self, abstract: TrainState, params_only: bool = False) -> Restored | None:
+    def restore_latest(self, abstract: TrainState, params_only: bool = False, config: Config | None = None,
+                       set_aside: bool = False) -> Restored | None:
         """The newest checkpoint that reads back, restored into `abstract`'s shardings. With
         `params_only` the optimizer state is not read at all (it comes back as None, the data
         state as {}): sampling, export and fine-tuning need a third of the memory and
-        I/O. Orbax's partial restore reads the same committed files the manager wrote."""
+        I/O. Orbax's partial restore reads the same committed files the manager wrote.
+        `config` (this run's) lets a shape mismatch name the keys that changed. `set_aside`
+        (the run resuming itself) moves the damaged steps newer than the one restored, and
+        half-written saves, to damaged/."""
+        _quiet_closed_loops()
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
+        skipped: list[tuple[Path, str]] = []
         for step in steps:
-            restored = self._try_restore(step, abstract, params_only)
+            restored, why = self._try_restore(step, abstract, params_only, config)
             if restored is not None:
-                return restored
-        if steps:
+                break
+            skipped.append((self.step_path(step), why))
+        else:
+            restored = None
+        if set_aside and (restored is not None or not steps):
+            unfinished = sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
+            self._set_aside([(p, "a save that never finished (the process stopped while writing it)")
+                             for p in unfinished] + skipped)
+        else:
+            for path, reason in skipped:
+                _warn(f"skipping checkpoint {path}: {reason}")
+        if restored is None and steps:
             raise UserError(f"checkpoints exist in {self.directory} (steps {', '.join(map(str, steps))}) but none "
                             f"can be read; move them away to start over")
-        return None
+        return restored
 
-    def _try_restore(self, step: int, abstract: TrainState, params_only: bool) -> Restored | None:
+    def _set_aside(self, paths: list[tuple[Path, str]]) -> None:
+        """Moves damaged steps and unfinished saves to damaged/NAME-<UTC time>, one warning line
+        each (process 0 moves; the others wait for it, whatever their own list holds)."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        for path, reason in paths:
+            target = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}"
+            if jax.process_index() == 0:
+                n = 1
+                while target.exists():  # two set-asides of one step within a second
+                    target, n = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}-{n}", n + 1
+                target.parent.mkdir(exist_ok=True)
+                path.rename(target)
+            _warn(f"skipping checkpoint {path}: {reason}; moved it to {target}")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxgpt: damaged checkpoints set aside")
+        if paths:
+            self.manager.reload()
+
+    def _try_restore(self, step: int, abstract: TrainState, params_only: bool,
+                     config: Config | None) -> tuple[Restored | None, str]:
+        """(the restored step, "") or (None, why it cannot be read), agreed by every process."""
         path = self.step_path(step)
+        restored, why = None, ""
         if not (path / COMMIT_MARKER).exists():
-            _warn(f"skipping checkpoint {path}: it has no commit marker (an interrupted save)")
-            return None
-        try:
-            stored = self.manager.item_metadata(step)["state"]
-        except Exception as e:  # noqa: BLE001 - any failure to read means damage
-            _warn(f"skipping checkpoint {path}: its metadata cannot be read ({type(e).__name__})")
-            return None
-        mismatches = _shape_mismatches(abstract, stored)
-        if mismatches:
-            raise UserError(f"checkpoint {path} does not fit the current config: {'; '.join(mismatches[:8])}"
-                            + (f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else ""))
-        try:
-            if params_only:
-                return Restored(step, TrainState(jnp.asarray(step, jnp.int32), _read_params(path, abstract), None),
-                                {}, path)
-            out = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        except Exception as e:  # noqa: BLE001
-            _warn(f"skipping checkpoint {path}: it cannot be read ({type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200] if str(e) else ''})")
-            return None
+            why = "it has no commit marker (an interrupted save)"
+        else:
+            with _held_stderr() as held:
+                try:
+                    stored = self.manager.item_metadata(step)["state"]
+                except Exception as e:  # noqa: BLE001 - any failure to read means damage
+                    why = f"its metadata cannot be read ({_describe(e)})"
+                else:
+                    mismatches = _shape_mismatches(abstract, stored)
+                    if mismatches:
+                        held.release()
+                        raise UserError(self._mismatch_message(step, mismatches, config))
+                    try:
+                        restored = self._restore(step, abstract, params_only)
+                    except Exception as e:  # noqa: BLE001
+                        why = f"it cannot be read ({_describe(e)})"
+                if restored is not None:
+                    held.release()
+        if not _everyone(restored is not None):
+            return None, why or "another process cannot read it"
+        return restored, why
+
+    def _restore(self, step: int, abstract: TrainState, params_only: bool) -> Restored:
+        path = self.step_path(step)
+        if params_only:
+            return Restored(step, TrainState(jnp.asarray(step, jnp.int32), _read_params(path, abstract), None),
+                            {}, path)
+        out = self.manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
         return Restored(step, out.state, dict(out.data), path)
+
+    def stored_config(self, step: int) -> dict[str, Any] | None:
+        """The config a checkpoint was written with (its `config` item), or None if unreadable."""
+        try:
+            return dict(self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config)
+        except Exception:  # noqa: BLE001 - only used to explain another error
+            return None
+
+    def _mismatch_message(self, step: int, mismatches: list[str], config: Config | None) -> str:
+        changed = ""
+        stored = self.stored_config(step) if config is not None else None
+        if stored is not None:
+            was, now = stored.get("model", {}), config.to_dict()["model"]
+            keys = [f"model.{k} {was[k]} -> {now[k]}" for k in SHAPE_KEYS if k in was and was[k] != now[k]]
+            if keys:
+                changed = f"{', '.join(keys)} (checkpoint -> this run); "
+        shapes = "; ".join(mismatches[:8]) + (f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else "")
+        return f"checkpoint {self.step_path(step)} does not fit the current config: {changed}{shapes}"
+
+
+def _describe(e: Exception) -> str:
+    """An exception in a few words: TensorStore's messages run on with a dump of a bound method."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    first = first.split(" See full TensorStore details")[0]
+    first = first if len(first) <= 160 else first[:159] + "…"
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _everyone(ok: bool) -> bool:
+    """Whether `ok` holds on every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok, np.int32))))
+
+
+class _Held:
+    def __init__(self) -> None:
+        self.keep = False
+
+    def release(self) -> None:
+        """Write what was held to stderr after all (the attempt did not fail as damage)."""
+        self.keep = True
+
+
+@contextlib.contextmanager
+def _held_stderr():
+    """Holds file descriptor 2 in a temporary file for one read attempt; see the module docstring."""
+    held = _Held()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield held
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if held.keep:
+                tmp.seek(0)
+                os.write(2, tmp.read())
+
+
+def _quiet_closed_loops() -> None:
+    """Drops "Event loop is closed" from sys.unraisablehook (see the module docstring); idempotent."""
+    previous = sys.unraisablehook
+    if getattr(previous, "jaxgpt_quiet", False):
+        return
+
+    def hook(unraisable) -> None:
+        if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.jaxgpt_quiet = True
+    sys.unraisablehook = hook
 
 
 def _read_params(step_dir: Path, abstract: TrainState) -> dict:

@@ -17,6 +17,11 @@ Failure: every process sends heartbeats to the coordinator; if one stops (it cra
 died), the coordination service declares it dead after JAXGPT_HEARTBEAT_TIMEOUT seconds (default
 60) and the remaining processes are terminated with an error instead of hanging in a collective.
 
+Restarts: `launch_multihost.sh --max-restarts R` starts the whole group again after a failure and
+tells the new processes so through JAXGPT_RESTART_COUNT (1, 2, ...), JAXGPT_MAX_RESTARTS and
+JAXGPT_RESTART_REASON ("process 1 exited with code 137 (killed by SIGKILL)"); `restart_info`
+reads them, and train.py records a `restart` event before the session's `start`.
+
 Device order and the mesh: devices are ordered by (process, local id) before being reshaped into
 (dp, fsdp, tp), so tp, the fastest-varying axis, takes neighbouring devices of one process, while
 dp and fsdp step across processes. Tensor parallelism, which talks inside every layer, thus stays
@@ -55,6 +60,15 @@ def initialize() -> None:
             kwargs["local_device_ids"] = [int(i) for i in os.environ["LOCAL_DEVICE_IDS"].split(",")]
     jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout,
                                initialization_timeout=int(os.environ.get("JAXGPT_INIT_TIMEOUT", "300")))
+
+
+def restart_info() -> dict | None:
+    """{restart, max_restarts, reason} when the launcher restarted this group, else None."""
+    count = int(os.environ.get("JAXGPT_RESTART_COUNT") or 0)
+    if count <= 0:
+        return None
+    return {"restart": count, "max_restarts": int(os.environ.get("JAXGPT_MAX_RESTARTS") or 0),
+            "reason": os.environ.get("JAXGPT_RESTART_REASON", "")}
 
 
 def ordered_devices() -> list[jax.Device]:

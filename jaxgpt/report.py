@@ -5,7 +5,8 @@ command regenerates it, for example for a run that was killed. It reads three fi
 
     metrics.jsonl  train lines (loss, tokens_per_sec, mfu) and eval lines (val_loss)
     events.jsonl   one `start` per session with the hardware and layout it ran on, `resume`,
-                   `preempted`, `diverged` and `end` (see jaxgpt.tracking)
+                   `preempted`, `diverged` and `end` (see jaxgpt.tracking), and `restart` when
+                   `launch_multihost.sh --max-restarts` started the group again after a failure
     config.yaml    the latest session's resolved config: batch, sequence length, checkpoint
                    cadence, logging.every
 
@@ -166,7 +167,10 @@ def _throughput(train: list[dict], every: Any) -> list[str]:
 def _history(events: list[dict]) -> list[str]:
     lines = []
     for e in events:
-        if e["event"] == "resume":
+        if e["event"] == "restart":
+            lines.append(f"- automatic restart {e['restart']} of {e.get('max_restarts', '?')} by the launcher "
+                         f"(resuming at step {e['step']}): {e.get('reason') or 'reason unknown'}")
+        elif e["event"] == "resume":
             lines.append(f"- restart: resumed at step {e['step']} from `{e.get('checkpoint', 'unknown')}`")
         elif e["event"] == "preempted":
             lines.append(f"- preempted at step {e['step']} (checkpoint committed)")
@@ -180,12 +184,13 @@ def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) ->
     evals = [r for r in metrics if "val_loss" in r]
     starts = [e for e in events if e["event"] == "start"]
     restarts = sum(e["event"] == "resume" for e in events)
+    automatic = sum(e["event"] == "restart" for e in events)
     preemptions = sum(e["event"] == "preempted" for e in events)
     steps = _get(cfg, "train", "steps")
     last_step = max(r["step"] for r in metrics)
     rows = _setup_rows(starts[-1] if starts else None, starts, cfg)
     rows += [("steps", f"{last_step:,} of {steps:,}" if steps else f"{last_step:,}"),
-             ("restarts", str(restarts)), ("preemptions", str(preemptions)),
+             ("restarts", str(restarts)), ("automatic restarts", str(automatic)), ("preemptions", str(preemptions)),
              ("wall time", _wall_time(events)),
              ("final train loss", f"{train[-1]['loss']:.4f} (step {train[-1]['step']})" if train else "none logged"),
              ("final val loss", f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "none logged")]

@@ -9,6 +9,17 @@ the device idle (every step's loss is still checked for NaN/inf, one step late).
 Re-running the same command with the same run dir resumes from the newest good checkpoint:
 parameters, optimizer state, step and data position, so the run continues the same trajectory.
 
+What a step leaves behind, and why a resumed run's metrics.jsonl equals an uninterrupted run's:
+step N's records are its train row (every `logging.every` steps and the last), its eval row (every
+`train.eval_every` steps, the last step, and step 0 of a fresh run) and its checkpoint. The rows are
+written first and the checkpoint last (the eval runs before the save starts), so a committed
+checkpoint at step S means every row of steps <= S is already in metrics.jsonl. Resuming from S
+therefore keeps exactly the rows of steps <= S and drops the rest, which the resumed run writes
+again; a run with no checkpoint of its own (a fresh start, also after a kill before the first
+save) keeps none, and writes step 0's eval row again. A kill at any moment thus leaves rows that,
+after the re-run, are the uninterrupted run's (only timing values, tokens_per_sec and mfu, differ),
+including a kill after the last checkpoint, where the re-run has nothing to do.
+
 Process 0 records the run: metrics.jsonl, TensorBoard, W&B, the console and events.jsonl through
 `tracking.Tracker`, and at the end of the run (completed, preempted or diverged) RUN_DIR/report.md
 through `jaxgpt.report`.
@@ -61,13 +72,13 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
     """Resume this run, or start from another run's checkpoint, or initialise; (state, data state,
     the checkpoint this run resumed from or None)."""
     abstract = abstract_state(cfg, setup)
-    restored = ckpt.restore_latest(abstract)
+    restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
-        other = source.restore_latest(abstract, params_only=cfg.checkpoint.init_params_only)
+        other = source.restore_latest(abstract, params_only=cfg.checkpoint.init_params_only, config=cfg)
         source.close()
         assert other is not None, "find_checkpoint_dir found checkpoints that restore_latest did not"
         if not cfg.checkpoint.init_params_only:
@@ -89,12 +100,14 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _trim_metrics(path: Path, step: int) -> None:
-    """On resume, drop lines logged after the checkpoint: those steps are about to run again."""
+def _trim_metrics(path: Path, step: int | None) -> None:
+    """Keeps the rows of steps <= `step`, the checkpoint resumed from (None: no rows), as the module
+    docstring explains: the rest are about to be written again."""
     if jax.process_index() == 0 and path.exists():
         text = path.read_text()
         lines = text.splitlines()[: text.count("\n")]  # a line a kill cut short has no newline: drop it
-        path.write_text("".join(line + "\n" for line in lines if line and json.loads(line)["step"] <= step))
+        keep = [line for line in lines if step is not None and line and json.loads(line)["step"] <= step]
+        path.write_text("".join(line + "\n" for line in keep))
 
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
@@ -138,7 +151,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
             if pid == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-                _trim_metrics(track.log.path, start)
+                _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
@@ -147,6 +160,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
             precision = "fp8" if m.fp8 else np.dtype(dtype).name
             peak = peak_flops(devices[0], precision)
             if pid == 0:
+                if restart := distributed.restart_info():  # launch_multihost.sh --max-restarts
+                    track.event("restart", step=start, **restart)
                 track.begin(start, run_info(cfg, run_dir, sizes, devices, dtype=np.dtype(dtype).name, kernel=kernel,
                                             kernel_reason=why, params=param_count(m), peak=peak), resumed_from)
             loop = _Loop(cfg, setup, mesh, track, len(devices), peak)
@@ -216,11 +231,11 @@ class _Loop:
             if evaluate or stopping or step == t.steps or (every and step % every == 0):
                 self.finish(*pending)  # never save a non-finite state
                 pending = None
-            if (every and step % every == 0) or step == t.steps or stopping:
-                ckpt.save(step, state, batches.get_state(), self.cfg)
-            if evaluate:
+            if evaluate:  # before the save: a checkpoint implies its step's rows (module docstring)
                 self.evaluate(state, step, val_batches, to_global)
                 self.clock.reset(step)
+            if (every and step % every == 0) or step == t.steps or stopping:
+                ckpt.save(step, state, batches.get_state(), self.cfg)
             if stopping:
                 ckpt.wait()
                 self.track.event("preempted", step=step, checkpoint=str(ckpt.step_path(step)))

@@ -1,7 +1,8 @@
 """Checkpoints: exact resume after SIGKILL (also mid-save), SIGTERM, resharding, damage, init_from.
 
 The kill tests drive the real CLI in subprocesses; "the same trajectory" means bit-identical
-losses at every step and bit-identical final parameters on CPU."""
+losses at every step and bit-identical final parameters on CPU, and the same metrics.jsonl rows
+(train and eval, in order) as the uninterrupted run, timing values aside."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from jaxgpt.mesh import make_mesh
 from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 
-RUN = [*TINY, "train.steps=12", "checkpoint.every=4", "logging.every=1", "--mesh", "dp=4,tp=2"]
+RUN = [*TINY, "train.steps=12", "checkpoint.every=4", "logging.every=1", "train.eval_every=4", "train.eval_batches=1",
+       "--mesh", "dp=4,tp=2"]
+TIMING = ("tokens_per_sec", "mfu")  # measured, so they differ between any two runs
 
 
 def _start(run_dir: Path) -> subprocess.Popen:
@@ -59,6 +62,10 @@ def _committed(run_dir: Path, step: int) -> bool:
     return (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists()
 
 
+def _rows(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+
+
 def _final_params(run_dir: Path, layout: str = "dp=4,tp=2"):
     cfg = tiny_config(mesh=layout)
     mesh = make_mesh(validate(cfg, 8))
@@ -78,13 +85,17 @@ def reference(tmp_path_factory, shakespeare_dir):
     return run_dir
 
 
-@pytest.mark.parametrize("moment", ["before the first checkpoint", "after a checkpoint", "during a save"])
+@pytest.mark.parametrize("moment", ["before the first checkpoint", "after a checkpoint", "during a save",
+                                    "after the last checkpoint"])
 def test_sigkill_then_resume_is_bit_identical(moment, reference, tmp_path):
-    when = {"before the first checkpoint": lambda: _logged_steps(tmp_path) >= 2,
+    when = {"before the first checkpoint": lambda: _logged_steps(tmp_path) >= 2,  # the step-0 eval row is written
             # "after" means after the step-4 save is committed, not merely dispatched: on a busy
             # machine the async commit can trail the loop by several steps.
             "after a checkpoint": lambda: _committed(tmp_path, 4) and _logged_steps(tmp_path) >= 6,
-            "during a save": lambda: _committed(tmp_path, 4) and _saving(tmp_path)}[moment]
+            "during a save": lambda: _committed(tmp_path, 4) and _saving(tmp_path),
+            # the run has still to wait for the save, write its end event and report: the re-run
+            # has nothing to train, and step 12's eval row must be there already
+            "after the last checkpoint": lambda: _committed(tmp_path, 12)}[moment]
     proc = _start(tmp_path)
     caught = _wait_for(when, proc)
     proc.send_signal(signal.SIGKILL)
@@ -96,7 +107,10 @@ def test_sigkill_then_resume_is_bit_identical(moment, reference, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     if moment != "before the first checkpoint":
         assert "resuming from step" in resumed.stdout
+    if moment == "after the last checkpoint":
+        assert "already trained to step 12" in resumed.stdout
     assert train_losses(tmp_path) == train_losses(reference)  # every step, bit for bit
+    assert _rows(tmp_path) == _rows(reference)  # no eval row twice, none missing
     ours, theirs = _final_params(tmp_path), _final_params(reference)
     assert ours.step == theirs.step == 12
     for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(theirs.state)):
@@ -182,6 +196,29 @@ def test_truncated_or_missing_files_are_skipped_with_a_warning(three_checkpoints
     assert "skipping checkpoint" in err and "checkpoints/6" in err and "checkpoints/4" in err
 
 
+def test_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes(three_checkpoints):
+    """The newest step garbled (the damage whose reads spray "Event loop is closed" tracebacks from
+    TensorStore threads) and an unfinished save left behind: the re-run warns once for each, moves
+    both to checkpoints/damaged/, resumes from step 4, saves step 6 again and rewrites the same rows."""
+    ckpts = three_checkpoints / "checkpoints"
+    before = _rows(three_checkpoints)
+    (ckpts / "6" / "state" / "manifest.ocdbt").write_text("garbage")
+    (ckpts / "8.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "checkpoint.every=2", "--mesh", "dp=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr[-3000:]  # one line per skipped checkpoint, nothing else
+    assert lines[0].startswith(f"warning: skipping checkpoint {ckpts / '8.orbax-checkpoint-tmp'}: a save that never "
+                               f"finished") and f"moved it to {ckpts / 'damaged' / '8.orbax-checkpoint-tmp-'}" in lines[0]
+    assert lines[1].startswith(f"warning: skipping checkpoint {ckpts / '6'}: its metadata cannot be read")
+    assert f"moved it to {ckpts / 'damaged' / '6-'}" in lines[1]
+    assert "resuming from step 4" in proc.stdout
+    assert sorted(p.name.split("-")[0] for p in (ckpts / "damaged").iterdir()) == ["6", "8.orbax"]
+    assert (ckpts / "6" / "commit_success.txt").exists()
+    assert _restore(three_checkpoints).step == 6
+    assert _rows(three_checkpoints) == before
+
+
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(three_checkpoints):
     for step in (2, 4, 6):
         (three_checkpoints / "checkpoints" / str(step) / "commit_success.txt").unlink()
@@ -196,6 +233,7 @@ def test_changed_model_shape_lists_the_mismatches(three_checkpoints):
     assert proc.returncode == EXIT_USER_ERROR and "Traceback" not in proc.stderr
     assert "does not fit the current config" in proc.stderr
     assert "params.blocks.attn.c_attn_kernel: checkpoint (2, 32, 3, 4, 8) vs config (3, 32, 3, 4, 8)" in proc.stderr
+    assert "model.n_layer 2 -> 3 (checkpoint -> this run)" in proc.stderr  # the key that changed, by name
 
 
 def test_init_from_params_only(three_checkpoints, tmp_path_factory):

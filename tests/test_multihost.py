@@ -12,11 +12,16 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
-from helpers import REPO, TINY, train_losses, tiny_config
+from helpers import REPO, TINY, read_metrics, train_losses, tiny_config
 
+from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED
+from jaxgpt.config import validate
+from jaxgpt.mesh import make_mesh
+from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 
 # Constant learning rate, so a run stopped at step 4 and resumed to 8 follows the same schedule as
@@ -33,12 +38,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_local(run_dir, *args: str) -> subprocess.CompletedProcess:
+def _launcher(run_dir, *args: str, restarts: int = 0) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()))
-    return subprocess.run(["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--",
-                           "--run-dir", str(run_dir), "--mesh", MESH, *RUN, *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()), JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
+    return (["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--max-restarts",
+             str(restarts), "--", "--run-dir", str(run_dir), "--mesh", MESH, *RUN, *args], env)
+
+
+def _launch_local(run_dir, *args: str) -> subprocess.CompletedProcess:
+    command, env = _launcher(run_dir, *args)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +57,15 @@ def one_process_reference(tmp_path_factory, shakespeare_dir):
     return train_losses(run_dir)
 
 
-def test_two_processes_train_like_one(one_process_reference, tmp_path):
-    proc = _launch_local(tmp_path, "train.steps=8")
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, shakespeare_dir):
+    """An uninterrupted 2-process run to step 8: (its run dir, the launcher's result)."""
+    run_dir = tmp_path_factory.mktemp("two-processes")
+    return run_dir, _launch_local(run_dir, "train.steps=8")
+
+
+def test_two_processes_train_like_one(one_process_reference, two_process_run):
+    tmp_path, proc = two_process_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = train_losses(tmp_path)
     assert len(losses) == 8
@@ -69,6 +85,61 @@ def test_checkpoint_moves_from_one_process_to_two(one_process_reference, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming from step 4" in proc.stdout
     np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
+
+
+def _final_state(run_dir):
+    """The newest checkpoint of a 2-process run, restored here on the same 8-device mesh."""
+    cfg = tiny_config(*RUN, mesh=MESH)
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        try:
+            return ckpt.restore_latest(abstract_state(cfg, make_setup(cfg, mesh)))
+        finally:
+            ckpt.close()
+
+
+def test_launcher_restarts_the_group_after_a_process_dies(two_process_run, tmp_path):
+    """torchrun's --max-restarts: process 1 is SIGKILLed after checkpoint 4; process 0 stops within
+    the heartbeat, the launcher starts both again, they resume from step 4 and end bit for bit where
+    an uninterrupted 2-process run ends, with the same metrics rows; the restart is on record."""
+    reference, _ = two_process_run
+    command, env = _launcher(tmp_path, "train.steps=8", restarts=1)
+    log = tmp_path / "launcher.err"
+    with log.open("w") as err:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        deadline = time.monotonic() + 240
+        while not ((tmp_path / "checkpoints" / "4" / "commit_success.txt").exists()
+                   and any(r.get("step") == 5 for r in _metrics(tmp_path))):
+            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        pid = int(log.read_text().split("process 1 is pid ")[1].split()[0])
+        os.kill(pid, signal.SIGKILL)
+        assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+    stderr = log.read_text()
+    assert "process 1 exited with code 137 (killed by SIGKILL); restarting the group (restart 1 of 1)" in stderr
+    assert stderr.count("process 1 is pid") == 2
+    ours, theirs = _final_state(tmp_path), _final_state(reference)
+    assert ours.step == theirs.step == 8
+    for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(theirs.state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    timing = ("tokens_per_sec", "mfu")
+    assert ([{k: v for k, v in r.items() if k not in timing} for r in read_metrics(tmp_path)]
+            == [{k: v for k, v in r.items() if k not in timing} for r in read_metrics(reference)])
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    restart = [e for e in events if e["event"] == "restart"]
+    assert len(restart) == 1 and restart[0]["step"] == 4 and restart[0]["restart"] == 1
+    assert restart[0]["reason"] == "process 1 exited with code 137 (killed by SIGKILL)"
+    report = (tmp_path / "report.md").read_text()
+    assert "| automatic restarts | 1 |" in report
+    assert "automatic restart 1 of 1 by the launcher (resuming at step 4): process 1 exited with code 137" in report
+
+
+def _metrics(run_dir) -> list[dict]:
+    try:
+        return read_metrics(run_dir)
+    except (FileNotFoundError, ValueError):  # not written yet, or a line being written
+        return []
 
 
 def _start_two(run_dir) -> list[subprocess.Popen]:
