@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxgpt import files
 from jaxgpt.config import CheckpointConfig, Config
 from jaxgpt.errors import UserError
 from jaxgpt.step import TrainState
@@ -153,6 +154,8 @@ def _read_params(step_dir: Path, abstract: TrainState) -> dict:
 def find_checkpoint_dir(path: str | Path) -> Path:
     """A run dir or its checkpoints dir -> the checkpoints dir (init_from, export, sample)."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        files.require_dir(p, "run dir")  # says it is a file
     for candidate in (p / "checkpoints", p):
         if candidate.is_dir() and any(c.name.isdigit() for c in candidate.iterdir()):
             return candidate

@@ -40,7 +40,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from jaxgpt import tokenizer
+from jaxgpt import files, tokenizer
 from jaxgpt.errors import UserError
 
 SPLITS = ("train", "val")
@@ -49,6 +49,8 @@ _PREPARE_HINT = "python -m jaxgpt.prepare FILES --out DIR"
 _BUNDLED_TEXT = Path(__file__).parent / "assets" / "tinyshakespeare.txt"
 # meta.json fields that identify what a prepared directory was made from.
 _IDENTITY = ("tokenizer", "tokenizer_sha256", "sources", "sources_sha256", "val_fraction")
+# meta.json fields that loading relies on, and their JSON types.
+_META_SHAPE = {"tokenizer_sha256": str, "vocab_size": int, "train_tokens": int, "val_tokens": int}
 
 
 # ---------------------------------------------------------------- preparing .bin files
@@ -101,9 +103,7 @@ def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1
 
 
 def _read_text(path: Path) -> tuple[str, bytes]:
-    if not path.is_file():
-        raise UserError(f"Text file {path} does not exist or is not a file.")
-    raw = path.read_bytes()
+    raw = files.require_file(path, "Text file").read_bytes()
     try:
         # Same newline handling as open(path).read(): "\r\n" and "\r" become "\n".
         text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
@@ -135,6 +135,7 @@ def _encode_pieces(pieces: Sequence[str]) -> np.ndarray:
 
 def _existing_meta(out_dir: Path, meta: dict) -> dict | None:
     """The meta of an identical earlier preparation, None if out_dir is free, else UserError."""
+    files.writable_dir(out_dir, "--out")
     if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
         return None
     if (out_dir / "meta.json").is_file():
@@ -187,7 +188,8 @@ def resolve_data_dir(path: str) -> Path:
         return bundled_shakespeare_dir()
     data_dir = Path(path).expanduser()
     if not data_dir.is_dir():
-        raise UserError(f"Data directory {data_dir} does not exist; make it with "
+        there = "does not exist" if files.kind(data_dir) == "missing" else f"is {files.kind(data_dir)}, not a directory"
+        raise UserError(f"Data directory {data_dir} {there}; make it with "
                         f"`{_PREPARE_HINT}` or use '{BUNDLED}'.")
     missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (data_dir / n).is_file()]
     if missing:
@@ -202,9 +204,9 @@ def load_meta(data_dir: Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path} is missing; make the directory with `{_PREPARE_HINT}`.")
     try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); prepare the data again.")
+        meta = files.read_json_object(path, "data file", required=_META_SHAPE)
+    except UserError as e:
+        raise UserError(f"{e}; prepare the data again with `{_PREPARE_HINT}`.") from None
     if meta.get("tokenizer_sha256") != tokenizer.vocab_sha256():
         raise UserError(f"{data_dir} was tokenized with another vocabulary than this jaxgpt's "
                         f"GPT-2 one; prepare it again with `{_PREPARE_HINT}`.")

@@ -77,10 +77,11 @@ def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterabl
     `metrics.jsonl`).
     """
     path = Path(path)
-    for parent in reversed([path, *path.absolute().parents]):
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is {kind(path)}, not a directory")
+    for parent in reversed(path.absolute().parents):
         if parent.exists() and not parent.is_dir():
-            below = "" if parent == path.absolute() else f" (a parent of {path})"
-            raise UserError(f"{what} {path} cannot be a directory: {parent}{below} is {kind(parent)}")
+            raise UserError(f"{what} {path} cannot be a directory: its parent {parent} is {kind(parent)}")
     for name in files:
         entry = path / name
         if entry.exists() and not entry.is_file():
@@ -94,14 +95,15 @@ def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterabl
 
 
 def read_text(path: Path, what: str) -> str:
-    """A UTF-8 text file's content, or UserError (missing, a directory, unreadable, not UTF-8)."""
+    """A UTF-8 text file's content with universal newlines, as `open(path).read()` gives it, or
+    UserError (missing, a directory, unreadable, not UTF-8)."""
     path = require_file(path, what)
     try:
         raw = path.read_bytes()
     except OSError as e:
         raise UserError(f"{what} {path} cannot be read ({e.strerror})") from None
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as e:
         raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
 

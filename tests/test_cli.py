@@ -82,3 +82,101 @@ def test_end_to_end_run_writes_metrics(tmp_path):
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+# ---------------------------------------------------------------- malformed files and paths, every command
+
+
+def _bad_inputs(root, shakespeare_dir):
+    """(command, argv, fragment of the one error line) for files and paths that are the wrong kind or shape."""
+    root.mkdir(exist_ok=True)
+    a_file = root / "a-file"
+    a_file.write_text("x")
+    run_with_file = root / "run-with-file"
+    run_with_file.mkdir()
+    (run_with_file / "checkpoints").write_text("not a dir")
+    meta = json.loads((shakespeare_dir / "meta.json").read_text())
+
+    def data_dir(name, meta_json):
+        d = root / name
+        d.mkdir()
+        for split in ("train.bin", "val.bin"):
+            (d / split).write_bytes((shakespeare_dir / split).read_bytes()[:4096])
+        (d / "meta.json").write_text(meta_json)
+        return d
+
+    list_meta = data_dir("list-meta", json.dumps([meta]))
+    no_vocab = data_dir("no-vocab", json.dumps({k: v for k, v in meta.items() if k != "vocab_size"}))
+    text_vocab = data_dir("text-vocab", json.dumps(meta | {"vocab_size": "50257"}))
+    latin1 = root / "latin1.yaml"
+    latin1.write_bytes("model:\n  n_layer: 2  # réglé\n".encode("latin-1"))
+    hf_list = root / "hf-list"
+    hf_list.mkdir()
+    (hf_list / "config.json").write_text("[1, 2]")
+    hf_index = root / "hf-index"
+    hf_index.mkdir()
+    (hf_index / "config.json").write_text("{}")
+    (hf_index / "model.safetensors.index.json").write_text('{"weight_map": ["x"]}')
+    metrics_garbage = root / "metrics-garbage"
+    metrics_garbage.mkdir()
+    (metrics_garbage / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json at all\n{"step": 2}\n')
+    metrics_types = root / "metrics-types"
+    metrics_types.mkdir()
+    (metrics_types / "metrics.jsonl").write_text('{"step": 1, "loss": "low"}\n')
+    binary_prompt = root / "prompt.bin"
+    binary_prompt.write_bytes(b"\x89PNG\r\n\x1a\n")
+    run = str(root / "run")
+    return [
+        ("train", ["--run-dir", str(a_file), *TINY], f"run dir {a_file} is a file, not a directory"),
+        ("train", ["--run-dir", str(a_file / "sub"), *TINY], f"its parent {a_file} is a file"),
+        ("train", ["--run-dir", str(run_with_file), *TINY], "checkpoints in run dir"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={a_file}"], f"{a_file} is a file, not a directory"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={text_vocab}"], "'vocab_size' is a string"),
+        ("train", ["--run-dir", run, "--config", str(latin1)], "is not UTF-8 text (byte 0xe9"),
+        ("train", ["--run-dir", run, "--config", str(root)], f"config file {root} is a directory"),
+        ("train", ["--run-dir", run, "optimizer.beta1=1.5"], "optimizer.beta1 must be in [0, 1), got 1.5"),
+        ("train", ["--run-dir", run, *TINY, f"checkpoint.init_from_hf={hf_list}"], "holds a list"),
+        ("train", ["--run-dir", run, *TINY, f"checkpoint.init_from={a_file}"], "is a file, not a directory"),
+        ("report", [str(metrics_garbage)], "line 2 is not valid JSON"),
+        ("report", [str(metrics_types)], "'loss' is a string ('low'), not a number or null"),
+        ("report", [str(a_file)], "is a file, not a directory"),
+        ("hf", ["check", str(hf_index)], "'weight_map' is a list"),
+        ("hf", ["check", str(a_file)], "is a file, not a directory"),
+        ("hf", ["export", str(a_file), str(root / "out")], "is a file, not a directory"),
+        ("hf", ["export", str(root), str(a_file)], f"export directory {a_file} is a file"),
+        ("hf", ["import", str(hf_list), str(root / "imported")], "holds a list"),
+        ("sample", [run, "--prompt-file", str(binary_prompt)], "is not UTF-8 text (byte 0x89"),
+        ("sample", [run, "--prompt-file", str(root)], "is a directory, not a file"),
+        ("sample", [str(a_file)], "is a file, not a directory"),
+        ("sample", [run, "--max-new-tokens", "0"], "--max-new-tokens must be > 0, got 0"),
+        ("sample", [run, "--num-samples", "-1"], "--num-samples must be > 0, got -1"),
+        ("sample", [run, "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        ("sample", [run, "--top-k", "-5"], "--top-k must be >= 0, got -5"),
+        ("sample", [run, "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        ("sample", [run, "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+        ("prepare", [str(shakespeare_dir / "meta.json"), "--out", str(a_file)], f"--out {a_file} is a file"),
+        ("prepare", [str(root), "--out", str(root / "prepared")], f"Text file {root} is a directory"),
+    ]
+
+
+def test_malformed_files_and_paths_are_one_line_everywhere(tmp_path, shakespeare_dir, capsys):
+    """In-process through each command's main(): exactly one `error:` line, exit 2, nothing on stdout."""
+    import importlib
+
+    for command, argv, fragment in _bad_inputs(tmp_path, shakespeare_dir):
+        code = importlib.import_module(f"jaxgpt.{command}").main(argv)
+        out, err = capsys.readouterr()
+        assert (code, out) == (EXIT_USER_ERROR, ""), (command, argv, code, out, err)
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, (command, argv, err)
+    # nothing was recorded (an init_from source is read once the run dir exists, but before step 0)
+    assert not list((tmp_path / "run").glob("*.*")) and not (tmp_path / "imported").exists()
+
+
+def test_malformed_files_exit_cleanly_as_processes(tmp_path):
+    """The same, once per kind of reader, as a real process (no traceback from any layer)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n')
+    proc = run_cli(str(tmp_path), module="jaxgpt.report")
+    _assert_one_line_error(proc, "line 2 holds a list, not an object")
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
