@@ -9,6 +9,7 @@ import pytest
 from helpers import TINY, read_metrics, run_cli
 
 from jaxgpt.cli import EXIT_DIVERGED, EXIT_USER_ERROR
+from jaxgpt.config import load_config
 
 
 def _assert_one_line_error(proc, *fragments: str, code: int = EXIT_USER_ERROR) -> None:
@@ -57,6 +58,7 @@ def test_non_finite_loss_stops_with_its_own_code(tmp_path):
     proc = run_cli("--run-dir", str(tmp_path), "--mesh", "dp=8", *TINY, "train.steps=30",
                    "optimizer.lr=1e12", "optimizer.grad_clip=0", "optimizer.warmup_steps=0")
     _assert_one_line_error(proc, "the loss became", code=EXIT_DIVERGED)
+    assert proc.stderr.count("\n") == 1, proc.stderr  # no TensorBoard NaN warning, no report warning
 
 
 def test_help_lists_every_key():
@@ -180,3 +182,34 @@ def test_malformed_files_exit_cleanly_as_processes(tmp_path):
     proc = run_cli(str(tmp_path), module="jaxgpt.report")
     _assert_one_line_error(proc, "line 2 holds a list, not an object")
     assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_non_finite_grad_norm_with_finite_loss_stops_with_one_line(tmp_path, capsys):
+    """A final LayerNorm scaled by 1e20 keeps the loss finite (~1e19) while the squared gradients
+    overflow fp32: the grad norm is inf from the first step. Clipping by an inf norm would zero every
+    update and the run would go on with grad_norm null; instead it stops with exit 3 and one line,
+    and the report is still written (from events alone: nothing was logged before step 1)."""
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxgpt import hf
+    from jaxgpt.model import GPT
+    from jaxgpt.train import main
+
+    cfg = load_config(None, TINY)
+    params = nnx.to_pure_dict(nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)[1])
+    tensors = hf.to_hf(params, cfg.model)
+    tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"] * 1e20
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, tmp_path / "hf" / hf.WEIGHTS)
+    (tmp_path / "hf" / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg.model)))
+    run = tmp_path / "run"
+    code = main(["--run-dir", str(run), "--mesh", "dp=8", *TINY, "train.steps=3",
+                 f"checkpoint.init_from_hf={tmp_path / 'hf'}"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_DIVERGED, err
+    assert err.startswith("error: the gradient norm became inf at step 1 (the loss was still ") and \
+        err.count("\n") == 1, err
+    assert "Traceback" not in out
+    assert not (run / "metrics.jsonl").exists() or all(r.get("grad_norm") is not None for r in read_metrics(run))
+    assert "the gradient norm became non-finite at step 1" in (run / "report.md").read_text()
