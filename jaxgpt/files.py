@@ -94,6 +94,18 @@ def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterabl
     return path
 
 
+def writable_file(path: Path, what: str) -> Path:
+    """`path` if a file can be written there: its directory exists and it is not itself a directory."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise UserError(f"{what} {path} is {kind(path)}, not a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise UserError(f"{what} {path} cannot be written: {parent} "
+                        + ("does not exist" if kind(parent) == "missing" else f"is {kind(parent)}"))
+    return path
+
+
 def read_text(path: Path, what: str) -> str:
     """A UTF-8 text file's content with universal newlines, as `open(path).read()` gives it, or
     UserError (missing, a directory, unreadable, not UTF-8)."""

@@ -316,7 +316,7 @@ def _main(argv: Sequence[str] | None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 directory")
     ex.add_argument("run_dir", type=Path, help="a run dir or its checkpoints dir")
-    ex.add_argument("out_dir", type=Path, help="gets model.safetensors and config.json")
+    ex.add_argument("out_dir", type=Path, help="gets the weights, config.json, generation_config.json and tokenizer")
     check = commands.add_parser("check", help="load an HF GPT-2 directory and print its size")
     check.add_argument("hf_dir", type=Path)
     imp = commands.add_parser("import", help="turn an HF GPT-2 directory into a jaxgpt run dir (a step-0 checkpoint)")

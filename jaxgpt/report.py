@@ -186,8 +186,8 @@ def _history(events: list[dict]) -> list[str]:
 
 
 def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) -> str:
-    train = [r for r in metrics if "loss" in r]
-    evals = [r for r in metrics if "val_loss" in r]
+    train = [r for r in metrics if r.get("loss") is not None]  # null: non-finite (older runs logged those)
+    evals = [r for r in metrics if r.get("val_loss") is not None]
     starts = [e for e in events if e["event"] == "start"]
     restarts = sum(e["event"] == "resume" for e in events)
     preemptions = sum(e["event"] == "preempted" for e in events)

@@ -105,14 +105,17 @@ def _sample(argv: Sequence[str] | None) -> None:
 
     parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint.")
     parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
-    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline); <|endoftext|> in it "
+                                                       "is the document separator")
     parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file instead")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=200, help="0 = no top-k filter")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 = off")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-samples", type=int, default=1)
+    for flag, kind, default, doc in [
+            ("--max-new-tokens", int, 200, "tokens to generate after the prompt"),
+            ("--temperature", float, 0.8, "0 = greedy"),
+            ("--top-k", int, 200, "0 = no top-k filter"),
+            ("--top-p", float, 1.0, "nucleus sampling threshold; 1 = off"),
+            ("--seed", int, 0, "seed of the draws"),
+            ("--num-samples", int, 1, "samples, generated as one batch")]:
+        parser.add_argument(flag, type=kind, default=default, help=f"{doc} ({FLAG_RANGES[flag]}; default {default})")
     parser.add_argument("--mesh", help="shard the parameters over this mesh, e.g. tp=2 or fsdp=8")
     args = parser.parse_args(argv)
     for flag, allowed in FLAG_RANGES.items():

@@ -158,6 +158,8 @@ def _bad_inputs(root, shakespeare_dir):
         ("sample", [run, "--top-k", "-5"], "--top-k must be >= 0, got -5"),
         ("sample", [run, "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
         ("sample", [run, "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+        ("plan", ["--json", str(root)], f"--json {root} is a directory, not a file"),
+        ("plan", ["--device-memory-gib", "-1"], "--device-memory-gib must be > 0, got -1.0"),
         ("prepare", [str(shakespeare_dir / "meta.json"), "--out", str(a_file)], f"--out {a_file} is a file"),
         ("prepare", [str(root), "--out", str(root / "prepared")], f"Text file {root} is a directory"),
     ]
@@ -213,3 +215,14 @@ def test_non_finite_grad_norm_with_finite_loss_stops_with_one_line(tmp_path, cap
     assert "Traceback" not in out
     assert not (run / "metrics.jsonl").exists() or all(r.get("grad_norm") is not None for r in read_metrics(run))
     assert "the gradient norm became non-finite at step 1" in (run / "report.md").read_text()
+
+
+def test_report_skips_a_last_line_cut_short_by_a_kill(tmp_path, capsys):
+    from jaxgpt.report import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.5}\n{"step": 2, "val_loss": 3.4}\n{"step": 3, "lo')
+    (tmp_path / "config.yaml").write_text("train: {steps: [not, an, int]}\nmodel: 7\n")  # hand-edited: "unknown"
+    assert main([str(tmp_path)]) == 0, capsys.readouterr().err
+    report = (tmp_path / "report.md").read_text()
+    assert "| final train loss | 3.5000 (step 1) |" in report and "| steps | 2 |" in report
+    assert "| sequence length | unknown |" in report
