@@ -191,17 +191,21 @@ def test_non_finite_grad_norm_with_finite_loss_stops_with_one_line(tmp_path, cap
     overflow fp32: the grad norm is inf from the first step. Clipping by an inf norm would zero every
     update and the run would go on with grad_norm null; instead it stops with exit 3 and one line,
     and the report is still written (from events alone: nothing was logged before step 1)."""
+    import jax
+    import numpy as np
     from flax import nnx
     from safetensors.numpy import save_file
 
     from jaxgpt import hf
-    from jaxgpt.model import GPT
+    from jaxgpt.step import abstract_model
     from jaxgpt.train import main
 
     cfg = load_config(None, TINY)
-    params = nnx.to_pure_dict(nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)[1])
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(np.float32),
+                          nnx.to_pure_dict(abstract_model(cfg)[1]))
     tensors = hf.to_hf(params, cfg.model)
-    tensors["transformer.ln_f.weight"] = tensors["transformer.ln_f.weight"] * 1e20
+    tensors["transformer.ln_f.weight"] = np.full_like(tensors["transformer.ln_f.weight"], 1e20)
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / hf.WEIGHTS)
     (tmp_path / "hf" / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg.model)))
