@@ -55,7 +55,8 @@ def require_file(path: Path, what: str) -> Path:
     path = Path(path)
     if not path.is_file():
         there = kind(path)
-        raise UserError(f"{what} {path} does not exist" if there == "missing" else f"{what} {path} is {there}, not a file")
+        raise UserError(f"{what} {path} does not exist" if there == "missing"
+                        else f"{what} {path} is {there}, not a file")
     return path
 
 

@@ -129,11 +129,11 @@ def _assert_tokenizer_is_jaxgpts(hf_dir) -> None:
     enc, tok = gpt2_encoding(), AutoTokenizer.from_pretrained(hf_dir)
     assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (50256, 50256, 50257)
     rng = np.random.default_rng(0)
-    pieces = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "Zz", "7", "42", "'s", "'LL", "'", "é", "ß", "日本", "🤖",
-              "e\u0301", "\u00a0", "\u3000", ".", "--", "<|endoftext|>", "<|endoftext|"]
+    pieces = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "Zz", "7", "42", "'s", "'LL", "'", "é", "ß", "日本",
+              "🤖", "e\u0301", "\u00a0", "\u3000", ".", "--", "<|endoftext|>", "<|endoftext|"]
     texts = ["Hello world", " Hello  world  ", "\t\t x \n  \n   ", "I'll DON'T they're we've", "3.14159 1e-3",
-             "héllo wörld ☃ 🤖 日本語 עברית", "<|endoftext|>", "a<|endoftext|>b", " <|endoftext|> x", "   ", "",
-             (REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt").read_text()[:20_000]]
+             "héllo wörld ☃ 🤖 日本語 עברית", "<|endoftext|>", "a<|endoftext|>b", " <|endoftext|> x",
+             "   ", "", (REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt").read_text()[:20_000]]
     texts += ["".join(rng.choice(pieces, 30)) for _ in range(200)]
     for text in texts:
         ids = enc.encode(text, allowed_special="all")
