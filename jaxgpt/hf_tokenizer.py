@@ -28,7 +28,7 @@ import functools
 import json
 from pathlib import Path
 
-from jaxgpt.tokenizer import EOT_ID, gpt2_encoding
+from jaxgpt.tokenizer import EOT_ID, mergeable_ranks
 
 EOT_TEXT = "<|endoftext|>"
 FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -65,7 +65,7 @@ def _bpe(token: bytes, ranks: dict[bytes, int], below: int) -> list[bytes]:
 
 @functools.cache
 def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
-    ranks = gpt2_encoding()._mergeable_ranks  # bytes -> rank; tiktoken has no public accessor
+    ranks = mergeable_ranks()
     vocab, merges = {}, []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         vocab[_text(token)] = rank
