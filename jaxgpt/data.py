@@ -188,20 +188,23 @@ def resolve_data_dir(path: str) -> Path:
         return bundled_shakespeare_dir()
     data_dir = Path(path).expanduser()
     if not data_dir.is_dir():
-        there = "does not exist" if files.kind(data_dir) == "missing" else f"is {files.kind(data_dir)}, not a directory"
+        kind = files.kind(data_dir)
+        there = "does not exist" if kind == "missing" else f"is {kind}, not a directory"
         raise UserError(f"Data directory {data_dir} {there}; make it with "
                         f"`{_PREPARE_HINT}` or use '{BUNDLED}'.")
-    missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (data_dir / n).is_file()]
+    missing = [n for n in ("meta.json", "train.bin", "val.bin") if not (data_dir / n).exists()]
     if missing:
         raise UserError(f"Data directory {data_dir} lacks {', '.join(missing)}; make it with "
                         f"`{_PREPARE_HINT}`.")
+    for name in ("meta.json", "train.bin", "val.bin"):
+        files.require_file(data_dir / name, "data file")  # not a directory
     load_meta(data_dir)
     return data_dir
 
 
 def load_meta(data_dir: Path) -> dict:
     path = Path(data_dir) / "meta.json"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path} is missing; make the directory with `{_PREPARE_HINT}`.")
     try:
         meta = files.read_json_object(path, "data file", required=_META_SHAPE)

@@ -110,6 +110,9 @@ def _bad_inputs(root, shakespeare_dir):
     list_meta = data_dir("list-meta", json.dumps([meta]))
     no_vocab = data_dir("no-vocab", json.dumps({k: v for k, v in meta.items() if k != "vocab_size"}))
     text_vocab = data_dir("text-vocab", json.dumps(meta | {"vocab_size": "50257"}))
+    dir_split = data_dir("dir-split", json.dumps(meta))
+    (dir_split / "val.bin").unlink()
+    (dir_split / "val.bin").mkdir()
     latin1 = root / "latin1.yaml"
     latin1.write_bytes("model:\n  n_layer: 2  # réglé\n".encode("latin-1"))
     hf_list = root / "hf-list"
@@ -136,6 +139,7 @@ def _bad_inputs(root, shakespeare_dir):
         ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
         ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
         ("train", ["--run-dir", run, *TINY, f"data.path={text_vocab}"], "'vocab_size' is a string"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={dir_split}"], "val.bin is a directory, not a file"),
         ("train", ["--run-dir", run, "--config", str(latin1)], "is not UTF-8 text (byte 0xe9"),
         ("train", ["--run-dir", run, "--config", str(root)], f"config file {root} is a directory"),
         ("train", ["--run-dir", run, "optimizer.beta1=1.5"], "optimizer.beta1 must be in [0, 1), got 1.5"),
