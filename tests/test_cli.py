@@ -234,3 +234,6 @@ def test_report_skips_a_last_line_cut_short_by_a_kill(tmp_path, capsys):
     report = (tmp_path / "report.md").read_text()
     assert "| final train loss | 3.5000 (step 1) |" in report and "| steps | 2 |" in report
     assert "| sequence length | unknown |" in report
+    from jaxgpt.metrics import format_record  # a null (non-finite) value in a record prints, never raises
+    line = format_record({"step": 1, "loss": 2.0, "lr": None, "grad_norm": None, "tokens_per_sec": None, "mfu": None})
+    assert "grad_norm nan" in line and "lr nan" in line
