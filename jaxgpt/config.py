@@ -43,7 +43,7 @@ class Range:
     def __contains__(self, value: float) -> bool:
         if value in self.extra:
             return True
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             return False
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
@@ -237,6 +237,8 @@ def _check_range(key: str, value: Any, f: dataclasses.Field) -> None:
     if allowed is not None and value not in allowed:
         finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
         raise UserError(f"{key} must be {finite}{allowed}, got {value!r}")
+    if type(value) is int and abs(value) >= 2**31 and (allowed is None or allowed.hi == math.inf):
+        raise UserError(f"{key} must be below 2**31, got {value}")  # steps and sizes are int32 on the device
 
 
 def _apply(cfg: Config, flat: dict[str, Any], source: str) -> Config:

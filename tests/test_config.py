@@ -80,6 +80,7 @@ def test_help_lists_every_key_with_default():
     ("checkpoint.keep=0", "checkpoint.keep must be > 0, got 0"),
     ("data.prefetch=-1", "data.prefetch must be >= 0, got -1"),
     ("logging.every=0", "logging.every must be > 0, got 0"),
+    ("train.steps=" + "9" * 400, "train.steps must be below 2**31, got " + "9" * 400),
 ])
 def test_each_number_out_of_range_names_its_key_and_value(override, message):
     with pytest.raises(UserError) as e:
