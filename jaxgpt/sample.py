@@ -121,7 +121,7 @@ def _sample(argv: Sequence[str] | None) -> None:
     for flag, allowed in FLAG_RANGES.items():
         value = getattr(args, flag.removeprefix("--").replace("-", "_"))
         if value not in allowed:
-            finite = "a finite number " if not math.isfinite(value) else ""
+            finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
             raise UserError(f"{flag} must be {finite}{allowed}, got {value}")
     if args.prompt_file is not None:
         args.prompt = files.read_text(args.prompt_file, "--prompt-file")
