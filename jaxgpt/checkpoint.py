@@ -66,6 +66,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxgpt import files
 from jaxgpt.config import CheckpointConfig, Config
 from jaxgpt.errors import UserError
 from jaxgpt.step import TrainState
@@ -309,6 +310,8 @@ def _read_params(step_dir: Path, abstract: TrainState) -> dict:
 def find_checkpoint_dir(path: str | Path) -> Path:
     """A run dir or its checkpoints dir -> the checkpoints dir (init_from, export, sample)."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        files.require_dir(p, "run dir")  # says it is a file
     for candidate in (p / "checkpoints", p):
         if candidate.is_dir() and any(c.name.isdigit() for c in candidate.iterdir()):
             return candidate

@@ -4,10 +4,12 @@ A run's config is built in three layers, each checked against the dataclasses be
 
     defaults (this file)  <-  configs/NAME.yaml (only what differs)  <-  section.key=value overrides
 
-Every field carries a one-line `doc`; `--help` prints them all. An unknown key or a value of the
-wrong type raises `UserError` naming the key and the nearest valid spelling, before JAX compiles
-anything. Checks that need the device count (mesh product, divisibility by mesh axes) live in
-`validate`, also run before compilation.
+Every field carries a one-line `doc` and, if numeric, the `Range` of values that make sense;
+`--help` prints both. An unknown key, a value of the wrong type, or a number outside its range
+(a NaN or an infinity is outside every range) raises `UserError` naming the key, the value and the
+nearest valid spelling, when the config is built, before JAX compiles anything. `validate` checks
+the ranges again (for configs built in code) plus what needs the device count (mesh product,
+divisibility by mesh axes), also before compilation.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from jaxgpt import files
 from jaxgpt.errors import UserError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -28,17 +31,55 @@ DEFAULT_CONFIG = "shakespeare"
 VOCAB_MULTIPLE = 128  # the embedding/head is padded to this; the padding never gets probability
 
 
-def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"doc": doc, "choices": choices})
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric key accepts: an interval (ends open or closed), plus listed extras."""
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    hi_open: bool = False
+    extra: tuple[int, ...] = ()  # also allowed, e.g. -1 for "the rest" on mesh axes
+
+    def __contains__(self, value: float) -> bool:
+        if value in self.extra:
+            return True
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        if math.isinf(self.hi):
+            text = f"{'>' if self.lo_open else '>='} {num(self.lo)}"
+        else:
+            text = f"in {'(' if self.lo_open else '['}{num(self.lo)}, {num(self.hi)}{')' if self.hi_open else ']'}"
+        return " or ".join([*map(str, self.extra), text])
+
+
+POSITIVE, NONNEGATIVE = Range(0, lo_open=True), Range(0)
+UNIT = Range(0, 1)  # [0, 1]
+BETA = Range(0, 1, hi_open=True)  # [0, 1): an Adam beta of 1 never forgets, >1 diverges
+MESH_AXIS = Range(1, extra=(-1,))
+SEED = Range(0, 2**32 - 1)  # what Grain's shuffle accepts
+
+
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, range: Range | None = None) -> Any:
+    if range is None and type(default) in (int, float):
+        range = Range()  # finite, at least; test_config asks every numeric key for a real range
+    return field(default=default, metadata={"doc": doc, "choices": choices, "range": range})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    n_layer: int = _f(4, "transformer blocks")
-    n_head: int = _f(4, "attention heads per block")
-    n_embd: int = _f(128, "model width D (n_head must divide it)")
-    seq_len: int = _f(128, "context length T in tokens (also the number of position embeddings)")
-    vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model")
+    n_layer: int = _f(4, "transformer blocks", range=POSITIVE)
+    n_head: int = _f(4, "attention heads per block", range=POSITIVE)
+    n_embd: int = _f(128, "model width D (n_head must divide it)", range=POSITIVE)
+    seq_len: int = _f(128, "context length T in tokens (also the number of position embeddings)", range=POSITIVE)
+    vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model", range=POSITIVE)
     dtype: str = _f("auto", "compute dtype (parameters stay fp32): auto = bfloat16 on GPU/TPU, float32 on CPU",
                     ("auto", "float32", "bfloat16"))
     attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
@@ -60,37 +101,41 @@ class ModelConfig:
 class DataConfig:
     path: str = _f("shakespeare", "'shakespeare' (bundled, prepared on first use) or a dir made by python -m jaxgpt.prepare")
     mix: str = _f("", "mixture of prepared dirs with weights, e.g. 'web:0.7,code:0.3' (replaces data.path when set)")
-    num_threads: int = _f(2, "Grain reader threads per process")
-    prefetch: int = _f(4, "batches Grain prepares ahead of the device")
+    num_threads: int = _f(2, "Grain reader threads per process", range=POSITIVE)
+    prefetch: int = _f(4, "batches Grain prepares ahead of the device", range=NONNEGATIVE)
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = _f(1e-3, "peak learning rate (after warmup)")
-    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of lr")
-    warmup_steps: int = _f(20, "linear warmup steps from 0 to lr")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay, applied to weight matrices and embeddings only")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip gradients to this global norm (0 disables)")
+    lr: float = _f(1e-3, "peak learning rate (after warmup)", range=POSITIVE)
+    min_lr_ratio: float = _f(0.1, "final learning rate of the cosine decay, as a fraction of lr", range=UNIT)
+    warmup_steps: int = _f(20, "linear warmup steps from 0 to lr", range=NONNEGATIVE)
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay, applied to weight matrices and embeddings only",
+                             range=NONNEGATIVE)
+    beta1: float = _f(0.9, "AdamW beta1", range=BETA)
+    beta2: float = _f(0.95, "AdamW beta2", range=BETA)
+    eps: float = _f(1e-8, "AdamW epsilon", range=POSITIVE)
+    grad_clip: float = _f(1.0, "clip gradients to this global norm (0 disables)", range=NONNEGATIVE)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = _f(300, "optimizer steps to train")
-    batch_size: int = _f(16, "global batch in sequences per optimizer step (all devices, all micro-batches)")
-    grad_accum: int = _f(1, "micro-batches per optimizer step; batch_size / grad_accum sequences each")
-    seed: int = _f(0, "seed for parameters and data order")
-    eval_every: int = _f(50, "evaluate val loss every N steps (and at the first and last step); 0 disables")
-    eval_batches: int = _f(4, "fixed val batches (of batch_size sequences) per evaluation")
+    steps: int = _f(300, "optimizer steps to train", range=POSITIVE)
+    batch_size: int = _f(16, "global batch in sequences per optimizer step (all devices, all micro-batches)",
+                         range=POSITIVE)
+    grad_accum: int = _f(1, "micro-batches per optimizer step; batch_size / grad_accum sequences each", range=POSITIVE)
+    seed: int = _f(0, "seed for parameters and data order", range=SEED)
+    eval_every: int = _f(50, "evaluate val loss every N steps (and at the first and last step); 0 disables",
+                         range=NONNEGATIVE)
+    eval_batches: int = _f(4, "fixed val batches (of batch_size sequences) per evaluation", range=POSITIVE)
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave")
-    fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above")
-    tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above")
+    dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave", range=MESH_AXIS)
+    fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above",
+                   range=MESH_AXIS)
+    tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above", range=MESH_AXIS)
     allow_tp_across_hosts: bool = _f(False, "permit a tp axis that spans processes (slow: tp talks in every layer)")
 
     AXES = ("dp", "fsdp", "tp")
@@ -98,8 +143,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = _f(100, "save a checkpoint every N steps (always at the end and on SIGTERM); 0: only then")
-    keep: int = _f(3, "keep the newest N checkpoints")
+    every: int = _f(100, "save a checkpoint every N steps (always at the end and on SIGTERM); 0: only then",
+                    range=NONNEGATIVE)
+    keep: int = _f(3, "keep the newest N checkpoints", range=POSITIVE)
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
@@ -108,7 +154,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    every: int = _f(10, "log train metrics every N steps")
+    every: int = _f(10, "log train metrics every N steps", range=POSITIVE)
     tensorboard: bool = _f(True, "also write the metrics as TensorBoard event files to RUN_DIR/tb/")
     wandb: bool = _f(False, "also log to Weights & Biases (needs `pip install wandb`; WANDB_MODE etc. apply)")
     wandb_project: str = _f("jaxgpt", "W&B project for logging.wandb=true")
@@ -186,7 +232,17 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise UserError(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}{_nearest(value, choices)}")
+    _check_range(key, value, f)
     return value
+
+
+def _check_range(key: str, value: Any, f: dataclasses.Field) -> None:
+    allowed = f.metadata.get("range")
+    if allowed is not None and value not in allowed:
+        finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise UserError(f"{key} must be {finite}{allowed}, got {value!r}")
+    if type(value) is int and abs(value) >= 2**31 and (allowed is None or allowed.hi == math.inf):
+        raise UserError(f"{key} must be below 2**31, got {value}")  # steps and sizes are int32 on the device
 
 
 def _apply(cfg: Config, flat: dict[str, Any], source: str) -> Config:
@@ -220,6 +276,8 @@ def resolve_config_path(name_or_path: str | None) -> Path:
     if name_or_path is None:
         name_or_path = DEFAULT_CONFIG
     path = Path(name_or_path)
+    if path.exists() and not path.is_file():
+        files.require_file(path, "config file")  # says what it is instead
     if not path.is_file():
         path = CONFIG_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
@@ -234,7 +292,7 @@ def load_config(config: str | None = None, overrides: list[str] = (), mesh: str 
     if config is not None or (CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml").is_file():
         path = resolve_config_path(config)
         try:
-            tree = yaml.safe_load(path.read_text())
+            tree = yaml.safe_load(files.read_text(path, "config file"))
         except yaml.YAMLError as e:
             raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         cfg = _apply(cfg, _flatten_yaml(tree, str(path)), str(path))
@@ -285,23 +343,11 @@ def mesh_shape(mesh: MeshConfig, n_devices: int) -> dict[str, int]:
 
 def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) -> dict[str, int]:
     """Every check that can fail before compilation; returns the resolved mesh shape."""
-    m, t, o = cfg.model, cfg.train, cfg.optimizer
+    m, t = cfg.model, cfg.train
+    for key, f in all_keys().items():  # load_config checked these already; a Config built in code was not
+        section, name = key.split(".", 1)
+        _check_range(key, getattr(getattr(cfg, section), name), f)
     sizes = mesh_shape(cfg.mesh, n_devices)
-    positive = {"model.n_layer": m.n_layer, "model.n_head": m.n_head, "model.n_embd": m.n_embd,
-                "model.seq_len": m.seq_len, "model.vocab_size": m.vocab_size, "train.steps": t.steps,
-                "train.batch_size": t.batch_size, "train.grad_accum": t.grad_accum,
-                "train.eval_batches": t.eval_batches, "logging.every": cfg.logging.every,
-                "data.num_threads": cfg.data.num_threads}
-    for key, value in positive.items():
-        if value <= 0:
-            raise UserError(f"{key} must be positive, got {value}")
-    if t.eval_every < 0 or o.warmup_steps < 0 or cfg.data.prefetch < 0 or cfg.checkpoint.every < 0:
-        raise UserError("train.eval_every, optimizer.warmup_steps, data.prefetch and checkpoint.every "
-                        "must not be negative")
-    if cfg.checkpoint.keep <= 0:
-        raise UserError(f"checkpoint.keep must be positive, got {cfg.checkpoint.keep}")
-    if not o.lr > 0 or not 0 <= o.min_lr_ratio <= 1 or o.grad_clip < 0 or o.weight_decay < 0:
-        raise UserError("optimizer: lr must be > 0, min_lr_ratio in [0, 1], grad_clip and weight_decay >= 0")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
     if t.batch_size % t.grad_accum:
@@ -328,5 +374,8 @@ def help_text() -> str:
     for key, f in all_keys().items():
         choices = f.metadata.get("choices")
         extra = f" [{'|'.join(choices)}]" if choices and len(choices) > 1 else ""
+        allowed = f.metadata.get("range")
+        if allowed is not None and allowed != Range():
+            extra += f" ({allowed})"
         lines.append(f"  {key:<26} = {f.default!s:<12} {f.metadata['doc']}{extra}")
     return "\n".join(lines)

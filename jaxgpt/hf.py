@@ -21,8 +21,15 @@ to its first T rows (positions are absolute, so a prefix is the same model on sh
 HF's causal-mask buffers (`h.i.attn.bias`, `masked_bias`) are ignored.
 
 `export` restores the newest readable checkpoint of a run (the config stored with it decides the
-shapes) onto one device and writes `model.safetensors` plus a `config.json` that
-`GPT2LMHeadModel.from_pretrained` reads. `load_dir` is the way back, for initialising a run.
+shapes) onto one device and writes `model.safetensors`, a `config.json` that
+`GPT2LMHeadModel.from_pretrained` reads, a `generation_config.json` (bos = eos = <|endoftext|>)
+and GPT-2's tokenizer files (`hf_tokenizer.py`), so the directory is usable as it is:
+`AutoTokenizer` + `GPT2LMHeadModel` generate what `jaxgpt.sample` generates.
+
+`load_dir` is the way back, for initialising a run (`checkpoint.init_from_hf`). `import` turns an
+HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh AdamW
+state, the data iterator at its start, the config implied by config.json plus any overrides),
+which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like any other.
 """
 
 from __future__ import annotations
@@ -30,23 +37,25 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import yaml
 from safetensors.numpy import load_file, save_file
 
+from jaxgpt import files, hf_tokenizer
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, run_main
-from jaxgpt.config import CheckpointConfig, Config, ModelConfig, sections
+from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
-from jaxgpt.step import abstract_state, make_setup
+from jaxgpt.step import TrainState, abstract_state, make_setup
 
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
+WEIGHTS, CONFIG, GENERATION_CONFIG = "model.safetensors", "config.json", "generation_config.json"
 EOT = 50256  # <|endoftext|>, GPT-2's bos and eos
 
 
@@ -132,7 +141,12 @@ def hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
             "n_positions": m.seq_len, "n_embd": m.n_embd, "n_layer": m.n_layer, "n_head": m.n_head,
             "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
-            "bos_token_id": EOT, "eos_token_id": EOT, "torch_dtype": "float32"}
+            "bos_token_id": EOT, "eos_token_id": EOT, "dtype": "float32"}  # "torch_dtype" before transformers 4.56
+
+
+def generation_config() -> dict[str, Any]:
+    """GPT-2's generation_config.json: generation starts and stops at <|endoftext|>."""
+    return {"bos_token_id": EOT, "eos_token_id": EOT}
 
 
 # config.json key -> (our key, GPT2Config's default)
@@ -168,18 +182,29 @@ def _check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
                         + "); override with " + " ".join(f"{ours}={have}" for _, have, ours, _ in wrong))
 
 
+# The config.json keys we read, with their JSON types (GPT2Config's own types).
+_CONFIG_SHAPE = {"model_type": str, "activation_function": str, "layer_norm_epsilon": files.NUMBER,
+                 "scale_attn_weights": bool, "scale_attn_by_inverse_layer_idx": bool, "tie_word_embeddings": bool,
+                 "n_inner": (int, type(None))} | {key: int for key in _SIZES}
+
+
 def _read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    hf_dir = Path(hf_dir)
+    hf_dir = files.require_dir(hf_dir, "Hugging Face directory")
     if not (hf_dir / CONFIG).is_file():
         raise UserError(f"{hf_dir} holds no {CONFIG}; give a directory written by save_pretrained or jaxgpt.hf export")
-    try:
-        hf_cfg = json.loads((hf_dir / CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{hf_dir / CONFIG} is not valid JSON: {e}") from None
+    hf_cfg = files.read_json_object(hf_dir / CONFIG, "Hugging Face config", optional=_CONFIG_SHAPE)
+    for key in _SIZES:
+        if hf_cfg.get(key, 1) < 1:
+            raise UserError(f"Hugging Face config {hf_dir / CONFIG}: {key} must be positive, got {hf_cfg[key]}")
     index = hf_dir / f"{WEIGHTS}.index.json"  # save_pretrained shards files over 5 GB
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS]
+    names = [WEIGHTS]
+    if index.is_file():
+        weight_map = files.read_json_object(index, "weights index", required={"weight_map": dict})["weight_map"]
+        if not all(isinstance(v, str) and v and "/" not in v for v in weight_map.values()):
+            raise UserError(f"weights index {index}: weight_map must map tensor names to file names in {hf_dir}")
+        names = sorted(set(weight_map.values()))
     tensors = {}
-    for name in files:
+    for name in names:
         if not (hf_dir / name).is_file():
             raise UserError(f"{hf_dir} holds no {name} (only safetensors weights are read, not pytorch_model.bin)")
         try:
@@ -201,8 +226,13 @@ def _config_from_dict(d: dict[str, Any]) -> Config:
                      for s, cls in sections().items()})
 
 
-def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
-    """(params on one device, the run's config, step) of the newest readable checkpoint."""
+def _one_device_mesh():
+    return make_mesh({"dp": 1, "fsdp": 1, "tp": 1}, jax.devices()[:1])
+
+
+def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None = None) -> tuple[dict, Config, int]:
+    """(params on one device, the run's config, step) of the newest readable checkpoint. `check`
+    sees the config before any parameter is read (a sampler validates its prompt length there)."""
     ckpt_dir = find_checkpoint_dir(run_dir_or_ckpt)
     ckpt = Checkpointer(ckpt_dir, CheckpointConfig())
     try:
@@ -216,7 +246,9 @@ def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
                 continue
         if cfg is None:
             raise UserError(f"no checkpoint in {ckpt_dir} has a readable config")
-        mesh = make_mesh({"dp": 1, "fsdp": 1, "tp": 1}, jax.devices()[:1])
+        if check is not None:
+            check(cfg)
+        mesh = _one_device_mesh()
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
             restored = ckpt.restore_latest(abstract_state(cfg, setup), params_only=True)  # skips damaged steps
@@ -225,15 +257,58 @@ def restore_params(run_dir_or_ckpt: Path) -> tuple[dict, Config, int]:
     return restored.state.params, cfg, restored.step
 
 
+EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *hf_tokenizer.FILES)
+
+
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
-    """Writes OUT_DIR/model.safetensors and config.json from a run's newest checkpoint; returns its step."""
+    """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
+    out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
     params, cfg, step = restore_params(run_dir_or_ckpt)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files without a "format" entry in their metadata.
     save_file(to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
     (out_dir / CONFIG).write_text(json.dumps(hf_config(cfg.model), indent=2) + "\n")
+    (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
+    hf_tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
     return step
+
+
+def _fresh_data_state() -> dict:
+    """The data iterator's state before its first batch (what a step-0 checkpoint holds)."""
+    from jaxgpt.data import train_iterator
+    return train_iterator(np.zeros(2, "<u2"), seq_len=1, global_batch=1, seed=0, process_index=0,
+                          process_count=1).get_state()
+
+
+def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2 directory, without
+    training: the model.* keys come from its config.json (then `config` and `overrides`), the
+    parameters from its weights, the optimizer state is AdamW's fresh one. Returns the config."""
+    from jaxgpt.tracking import check_run_dir
+
+    run_dir = check_run_dir(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir()):
+        raise UserError(f"run dir {run_dir} already holds checkpoints; import into a new run dir")
+    hf_cfg, tensors = _read_dir(hf_dir)
+    implied = [f"{key}={value}" for key, value in model_overrides(hf_cfg).items()]
+    cfg = load_config(config, [*implied, *overrides])
+    _check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
+    params = from_hf(tensors, cfg.model)
+    mesh = _one_device_mesh()
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        params = jax.device_put(params, setup.shardings.params)
+        opt_state = jax.jit(setup.optimizer.init, out_shardings=setup.shardings.opt_state)(params)
+        step = jax.device_put(np.zeros((), np.int32), setup.shardings.step)
+        ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
+        try:
+            ckpt.save(0, TrainState(step, params, opt_state), _fresh_data_state(), cfg)
+            ckpt.wait()
+        finally:
+            ckpt.close()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return cfg
 
 
 def _main(argv: Sequence[str] | None) -> None:
@@ -241,13 +316,27 @@ def _main(argv: Sequence[str] | None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 directory")
     ex.add_argument("run_dir", type=Path, help="a run dir or its checkpoints dir")
-    ex.add_argument("out_dir", type=Path, help="gets model.safetensors and config.json")
+    ex.add_argument("out_dir", type=Path, help="gets the weights, config.json, generation_config.json and tokenizer")
     check = commands.add_parser("check", help="load an HF GPT-2 directory and print its size")
     check.add_argument("hf_dir", type=Path)
-    args = parser.parse_args(argv)
+    imp = commands.add_parser("import", help="turn an HF GPT-2 directory into a jaxgpt run dir (a step-0 checkpoint)")
+    imp.add_argument("hf_dir", type=Path, help="config.json + model.safetensors (save_pretrained or export)")
+    imp.add_argument("run_dir", type=Path, help="a new run dir; gets checkpoints/0 and config.yaml")
+    imp.add_argument("--config", help="a YAML file or bundled config for the non-model keys (default: shakespeare)")
+    imp.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    args, extra = parser.parse_known_args(argv)  # overrides may follow --config (argparse cannot intermix here)
+    if extra and (args.command != "import" or any(e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "export":
         step = export(args.run_dir, args.out_dir)
-        print(f"wrote {args.out_dir / WEIGHTS} and {args.out_dir / CONFIG} from step {step}")
+        print(f"wrote {', '.join(EXPORT_FILES)} to {args.out_dir} from step {step}")
+        return
+    if args.command == "import":
+        cfg = import_dir(args.hf_dir, args.run_dir, args.config, [*args.overrides, *extra])
+        model_keys = " ".join(f"model.{k}={v}" for k, v in cfg.to_dict()["model"].items() if k in
+                              ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"))
+        print(f"wrote step 0 of {args.run_dir} from {args.hf_dir}; sample or export it as it is, or train it "
+              f"with: python -m jaxgpt.train --run-dir {args.run_dir} {model_keys} ...")
         return
     hf_cfg, tensors = _read_dir(args.hf_dir)
     overrides = model_overrides(hf_cfg)

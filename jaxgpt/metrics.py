@@ -79,11 +79,14 @@ class MetricsLog:
 def format_record(r: dict[str, Any]) -> str:
     """The console line for a train or eval record."""
     if "val_loss" in r:
-        return f"step {r['step']:>6} | val_loss {r['val_loss']:.4f}"
+        return f"step {r['step']:>6} | val_loss {'nan' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
+    def num(key: str, spec: str) -> str:  # a non-finite value is logged as null
+        return "nan" if r.get(key) is None else format(r[key], spec)
+
     mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
     rate = f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") is not None else "(compiling)"
-    return (f"step {r['step']:>6} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | grad_norm {r['grad_norm']:.3f}"
-            f" | {rate} tok/s | mfu {mfu_s}")
+    return (f"step {r['step']:>6} | loss {num('loss', '.4f')} | lr {num('lr', '.2e')} | grad_norm "
+            f"{num('grad_norm', '.3f')} | {rate} tok/s | mfu {mfu_s}")
 
 
 class Throughput:

@@ -25,9 +25,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxgpt import hlo
+from jaxgpt import files, hlo
 from jaxgpt.cli import ArgumentParser, run_main
-from jaxgpt.config import Config, help_text, load_config, validate
+from jaxgpt.config import POSITIVE, Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 
 GIB, MIB = 2**30, 2**20
@@ -177,6 +177,10 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)
+    if args.device_memory_gib is not None and args.device_memory_gib not in POSITIVE:
+        raise UserError(f"--device-memory-gib must be {POSITIVE}, got {args.device_memory_gib}")
+    if args.json:  # checked before compiling, not after
+        files.writable_file(args.json, "--json")
     if args.fake_devices is not None:
         _fake_devices(args.fake_devices)
     import jax

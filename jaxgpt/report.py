@@ -23,41 +23,48 @@ no known end: it is left out and the report says so. If no session has an end, t
 the span from the first to the last event.
 
 Nothing is guessed: what the run did not record (an older run dir without events.jsonl, the
-interconnect on a CPU) reads "unknown".
+interconnect on a CPU) reads "unknown", and so does a config.yaml value of the wrong type. A
+metrics or events line that is not a JSON object with the expected types is an error naming the
+file and line (`jaxgpt.files`), except a last line cut short by a kill, which is skipped. A run that
+diverged before logging anything still gets a report from its events.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
+from jaxgpt import files
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.errors import UserError
-from jaxgpt.tracking import read_events
+from jaxgpt.tracking import check_run_dir, read_events
 
 END_EVENTS = ("end", "preempted", "diverged")
 MAX_SLOW_LISTED = 20
 
 
+# metrics.jsonl: every line has an int step; the values, where present, are numbers or null (non-finite).
+METRIC_FIELDS = {key: (*files.NUMBER, type(None)) for key in
+                 ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu")}
+
+
 def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
-    if not run_dir.is_dir():
-        raise UserError(f"run dir {run_dir} does not exist")
+    files.require_dir(run_dir, "run dir")
+    check_run_dir(run_dir)
     path = run_dir / "metrics.jsonl"
-    lines = [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    if not lines:
-        raise UserError(f"{run_dir} has no metrics in metrics.jsonl; is it a jaxgpt run dir that has trained?")
-    metrics = [json.loads(line) for line in lines]
+    metrics = (files.read_jsonl(path, "metrics file", required={"step": int}, optional=METRIC_FIELDS)
+               if path.exists() else [])
     events = read_events(run_dir)
+    if not metrics and not any(e["event"] == "start" for e in events):
+        raise UserError(f"{run_dir} has no metrics in metrics.jsonl; is it a jaxgpt run dir that has trained?")
     config_path = run_dir / "config.yaml"
-    cfg = yaml.safe_load(config_path.read_text()) if config_path.exists() else {}
-    return metrics, events, cfg or {}
+    cfg = files.read_yaml_mapping(config_path, "run config") if config_path.exists() else {}
+    return metrics, events, cfg
 
 
 def _sessions(events: list[dict]) -> list[tuple[dict, dict | None]]:
@@ -99,8 +106,12 @@ def _spread(values: list[float], fmt) -> str:
     return f"{fmt(p50)} | {fmt(p10)} | {fmt(p90)}"
 
 
-def _get(cfg: dict, section: str, key: str, default: Any = None) -> Any:
-    return (cfg.get(section) or {}).get(key, default)
+def _get(cfg: dict, section: str, key: str, default: Any = None, kind: type = int) -> Any:
+    """cfg[section][key] if it is a `kind` (never a bool for int), else `default`: a hand-edited
+    config.yaml makes a line of the report "unknown", not a traceback."""
+    body = cfg.get(section)
+    value = body.get(key, default) if isinstance(body, dict) else default
+    return value if type(value) is kind else default
 
 
 def _setup_rows(start: dict | None, starts: list[dict], cfg: dict) -> list[tuple[str, str]]:
@@ -117,12 +128,12 @@ def _setup_rows(start: dict | None, starts: list[dict], cfg: dict) -> list[tuple
     accum = _get(cfg, "train", "grad_accum", 1)
     effective = (f"{batch * seq:,} tokens per step ({batch} sequences × {seq} tokens; grad_accum {accum})"
                  if batch and seq else unknown)
-    fp8 = s.get("fp8", _get(cfg, "model", "fp8"))
+    fp8 = s.get("fp8", _get(cfg, "model", "fp8", kind=bool))
     precision = (f"{s.get('compute_dtype', unknown)} compute, fp8 {'on' if fp8 else 'off' if fp8 is not None else unknown}"
                  f" (parameters fp32)")
     attention = f"{s['attention']} ({s.get('attention_reason', '')})" if "attention" in s else unknown
     every, keep = _get(cfg, "checkpoint", "every"), _get(cfg, "checkpoint", "keep")
-    saves = _get(cfg, "checkpoint", "async_save")
+    saves = _get(cfg, "checkpoint", "async_save", kind=bool)
     cadence = unknown if every is None else (
         (f"every {every} steps" if every else "only at the end and on a stop request")
         + f", keep {keep}, {'async' if saves else 'sync'} saves")
@@ -175,19 +186,20 @@ def _history(events: list[dict]) -> list[str]:
         elif e["event"] == "preempted":
             lines.append(f"- preempted at step {e['step']} (checkpoint committed)")
         elif e["event"] == "diverged":
-            lines.append(f"- the loss became non-finite at step {e['step']}; the run stopped")
+            what = {"grad_norm": "gradient norm", "val_loss": "val loss"}.get(e.get("metric"), "loss")
+            lines.append(f"- the {what} became non-finite at step {e['step']}; the run stopped")
     return lines or ["- none"]
 
 
 def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) -> str:
-    train = [r for r in metrics if "loss" in r]
-    evals = [r for r in metrics if "val_loss" in r]
+    train = [r for r in metrics if r.get("loss") is not None]  # null: non-finite (older runs logged those)
+    evals = [r for r in metrics if r.get("val_loss") is not None]
     starts = [e for e in events if e["event"] == "start"]
     restarts = sum(e["event"] == "resume" for e in events)
     automatic = sum(e["event"] == "restart" for e in events)
     preemptions = sum(e["event"] == "preempted" for e in events)
     steps = _get(cfg, "train", "steps")
-    last_step = max(r["step"] for r in metrics)
+    last_step = max([r["step"] for r in metrics] + [e["step"] for e in events if "step" in e])
     rows = _setup_rows(starts[-1] if starts else None, starts, cfg)
     rows += [("steps", f"{last_step:,} of {steps:,}" if steps else f"{last_step:,}"),
              ("restarts", str(restarts)), ("automatic restarts", str(automatic)), ("preemptions", str(preemptions)),
@@ -220,7 +232,8 @@ def plot_loss(metrics: list[dict], path: Path, title: str) -> None:
     ax.set(xlabel="step", ylabel="loss", title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3)
-    ax.legend()
+    if train or evals:  # a run that diverged at its first step has nothing to draw
+        ax.legend()
     fig.savefig(path, dpi=120)
 
 

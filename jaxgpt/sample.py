@@ -16,6 +16,7 @@ samples across several; the samples themselves are small and left replicated.
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -27,11 +28,13 @@ import numpy as np
 from flax import nnx
 
 from jaxgpt.cli import ArgumentParser, run_main
-from jaxgpt.config import Config, mesh_shape, parse_mesh
+from jaxgpt import files
+from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
 from jaxgpt.model import KVCache, compute_dtype
 from jaxgpt.step import abstract_model, make_setup
+from jaxgpt.hf_tokenizer import EOT_TEXT
 from jaxgpt.tokenizer import gpt2_encoding
 
 
@@ -58,11 +61,19 @@ def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int, 
 
 def generate(graphdef: nnx.GraphDef, params: dict, cfg: Config, prompt_BT: np.ndarray, max_new_tokens: int, *,
              temperature: float = 0.8, top_k: int = 200, top_p: float = 1.0, seed: int = 0) -> Iterator[np.ndarray]:
-    """Yields the next token of every sample, [B], max_new_tokens times (KV-cached)."""
-    B, T = prompt_BT.shape
-    if T + max_new_tokens > cfg.model.seq_len:
-        raise UserError(f"the prompt ({T} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the model's "
-                        f"context of {cfg.model.seq_len} tokens")
+    """An iterator over the next token of every sample, [B], max_new_tokens times (KV-cached)."""
+    check_fits(prompt_BT.shape[1], max_new_tokens, cfg)  # here, not in the generator below, so it fails at the call
+    return _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed)
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, cfg: Config) -> None:
+    if prompt_tokens + max_new_tokens > cfg.model.seq_len:
+        raise UserError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
+                        f"model's context of {cfg.model.seq_len} tokens")
+
+
+def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
+    B, _ = prompt_BT.shape
     dtype = compute_dtype(cfg.model.dtype)
     pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -84,32 +95,42 @@ def generate(graphdef: nnx.GraphDef, params: dict, cfg: Config, prompt_BT: np.nd
         yield np.asarray(token_B)
 
 
+# Each numeric flag's allowed values, checked (with its own message) before anything is loaded.
+FLAG_RANGES = {"--max-new-tokens": POSITIVE, "--num-samples": POSITIVE, "--temperature": NONNEGATIVE,
+               "--top-k": NONNEGATIVE, "--top-p": Range(0, 1, lo_open=True), "--seed": SEED}
+
+
 def _sample(argv: Sequence[str] | None) -> None:
     from jaxgpt.hf import restore_params  # restores the newest readable checkpoint on one device
 
     parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint.")
     parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
-    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline); <|endoftext|> in it "
+                                                       "is the document separator")
     parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file instead")
-    parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=200, help="0 = no top-k filter")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold; 1 = off")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-samples", type=int, default=1)
+    for flag, kind, default, doc in [
+            ("--max-new-tokens", int, 200, "tokens to generate after the prompt"),
+            ("--temperature", float, 0.8, "0 = greedy"),
+            ("--top-k", int, 200, "0 = no top-k filter"),
+            ("--top-p", float, 1.0, "nucleus sampling threshold; 1 = off"),
+            ("--seed", int, 0, "seed of the draws"),
+            ("--num-samples", int, 1, "samples, generated as one batch")]:
+        parser.add_argument(flag, type=kind, default=default, help=f"{doc} ({FLAG_RANGES[flag]}; default {default})")
     parser.add_argument("--mesh", help="shard the parameters over this mesh, e.g. tp=2 or fsdp=8")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_samples < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise UserError("--max-new-tokens and --num-samples must be >= 1, --temperature >= 0, --top-p in (0, 1]")
+    for flag, allowed in FLAG_RANGES.items():
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value not in allowed:
+            finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
+            raise UserError(f"{flag} must be {finite}{allowed}, got {value}")
     if args.prompt_file is not None:
-        if not args.prompt_file.is_file():
-            raise UserError(f"--prompt-file {args.prompt_file} does not exist")
-        args.prompt = args.prompt_file.read_text()
-    params, cfg, step = restore_params(args.run)
+        args.prompt = files.read_text(args.prompt_file, "--prompt-file")
+    enc = gpt2_encoding()
+    # "<|endoftext|>" in a prompt is the document separator, as Hugging Face's GPT-2 tokenizer reads it
+    prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
+    params, cfg, step = restore_params(args.run, check=lambda cfg: check_fits(len(prompt), args.max_new_tokens, cfg))
     if args.mesh:
         params = _shard(params, cfg, args.mesh)
-    enc = gpt2_encoding()
-    prompt = enc.encode_ordinary(args.prompt) or [enc.eot_token]
     prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
     graphdef, _ = abstract_model(cfg)
     tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, temperature=args.temperature,

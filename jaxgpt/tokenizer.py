@@ -31,13 +31,18 @@ _PAT_STR = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++
 
 
 @functools.cache
+def mergeable_ranks() -> dict[bytes, int]:
+    """Token bytes -> rank (its id) of the packaged vocabulary, checked against its sha256."""
+    return tiktoken.load.load_tiktoken_bpe(str(_VOCAB_PATH), expected_hash=_VOCAB_SHA256)
+
+
+@functools.cache
 def gpt2_encoding() -> tiktoken.Encoding:
     """The GPT-2 encoding; `encode_ordinary` treats "<|endoftext|>" in text as plain text."""
-    ranks = tiktoken.load.load_tiktoken_bpe(str(_VOCAB_PATH), expected_hash=_VOCAB_SHA256)
     return tiktoken.Encoding(
         name=TOKENIZER_NAME,
         pat_str=_PAT_STR,
-        mergeable_ranks=ranks,
+        mergeable_ranks=mergeable_ranks(),
         special_tokens={"<|endoftext|>": EOT_ID},
         explicit_n_vocab=N_VOCAB,
     )

@@ -53,9 +53,14 @@ from typing import Any
 import jax
 import yaml
 
+from jaxgpt import files
 from jaxgpt.config import Config, LoggingConfig
 from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
+
+# What jaxgpt writes into a run dir; `check_run_dir` refuses a run dir where one is the wrong kind.
+RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png")
+RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss"}
@@ -73,15 +78,27 @@ def require_wandb(cfg: LoggingConfig):
     return wandb
 
 
+def check_run_dir(run_dir: Path) -> Path:
+    """`run_dir` if jaxgpt can write its files there (before anything is compiled or written)."""
+    return files.writable_dir(run_dir, "run dir", files=RUN_DIR_FILES, dirs=RUN_DIR_DIRS)
+
+
 def flat_config(cfg: Config) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, body in cfg.to_dict().items() for k, v in body.items()}
+
+
+# The events.jsonl keys that readers rely on, with their types (every event has `event` and `time`).
+EVENT_SHAPE = {"event": str, "time": files.NUMBER}
+EVENT_FIELDS = {"step": int, "mesh": dict, "devices": int, "process_count": int, "params": int, "fp8": bool,
+                "device_kind": str, "platform": str, "compute_dtype": str, "attention": str, "attention_reason": str,
+                "interconnect": str, "checkpoint": str, "wandb_id": str}
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "events.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return files.read_jsonl(path, "event log", required=EVENT_SHAPE, optional=EVENT_FIELDS)
 
 
 def interconnect(devices: list[jax.Device]) -> str:
@@ -179,8 +196,9 @@ class _Bar:
         if "val_loss" in record:
             bar.write(format_record(record), file=sys.stdout)
             return
-        rate = record.get("tokens_per_sec")
-        bar.set_postfix_str(f"loss {record['loss']:.4f}" + (f", {rate:,.0f} tok/s" if rate is not None else ""))
+        rate, loss = record.get("tokens_per_sec"), record.get("loss")
+        bar.set_postfix_str(f"loss {'nan' if loss is None else format(loss, '.4f')}"
+                            + (f", {rate:,.0f} tok/s" if rate is not None else ""))
 
     def say(self, message: str) -> None:
         if self.bar is None:

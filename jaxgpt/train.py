@@ -50,7 +50,7 @@ from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
-from jaxgpt.tracking import Tracker, require_wandb, run_info
+from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
@@ -115,6 +115,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     devices = list(devices or distributed.ordered_devices())
     started = time.time()  # the start event's time: a session's wall time includes start-up
     sizes = validate(cfg, len(devices))
+    check_run_dir(run_dir)
     require_wandb(cfg.logging)
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
     if layout_error:
@@ -191,15 +192,23 @@ class _Loop:
 
     def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
         losses = [self.eval_step(state.params, to_global(b)) for b in val_batches]
-        self.track.write({"step": step, "val_loss": float(np.mean(jax.device_get(losses)))})
+        val_loss = float(np.mean(jax.device_get(losses)))
+        if not math.isfinite(val_loss):
+            self.track.event("diverged", step=step, metric="val_loss")
+            raise Diverged(f"the val loss became {val_loss} at step {step}; lower optimizer.lr or check the data")
+        self.track.write({"step": step, "val_loss": val_loss})
 
     def finish(self, step: int, metrics: dict) -> None:
         """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(values["loss"]):
-            self.track.event("diverged", step=step)
-            raise Diverged(f"the loss became {values['loss']} at step {step}; lower optimizer.lr or "
-                           f"check the data (nothing was saved from this step)")
+        # The grad norm can overflow while the loss is still finite; clipping by an inf norm then zeroes
+        # the update and the run would go on silently, so either one ends the run.
+        for key, what in (("loss", "the loss"), ("grad_norm", "the gradient norm")):
+            if not math.isfinite(values[key]):
+                self.track.event("diverged", step=step, metric=key)
+                finite = f" (the loss was still {values['loss']:.4g})" if key != "loss" else ""
+                raise Diverged(f"{what} became {values[key]} at step {step}{finite}; lower optimizer.lr or "
+                               f"check the data (nothing was saved from this step)")
         self.track.advance(step)
         if step % self.cfg.logging.every and step != self.cfg.train.steps:
             return

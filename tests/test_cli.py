@@ -9,6 +9,7 @@ import pytest
 from helpers import TINY, read_metrics, run_cli
 
 from jaxgpt.cli import EXIT_DIVERGED, EXIT_USER_ERROR
+from jaxgpt.config import load_config
 
 
 def _assert_one_line_error(proc, *fragments: str, code: int = EXIT_USER_ERROR) -> None:
@@ -57,6 +58,7 @@ def test_non_finite_loss_stops_with_its_own_code(tmp_path):
     proc = run_cli("--run-dir", str(tmp_path), "--mesh", "dp=8", *TINY, "train.steps=30",
                    "optimizer.lr=1e12", "optimizer.grad_clip=0", "optimizer.warmup_steps=0")
     _assert_one_line_error(proc, "the loss became", code=EXIT_DIVERGED)
+    assert proc.stderr.count("\n") == 1, proc.stderr  # no TensorBoard NaN warning, no report warning
 
 
 def test_help_lists_every_key():
@@ -82,3 +84,155 @@ def test_end_to_end_run_writes_metrics(tmp_path):
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+
+
+# ---------------------------------------------------------------- malformed files and paths, every command
+
+
+def _bad_inputs(root, shakespeare_dir):
+    """(command, argv, fragment of the one error line) for files and paths that are the wrong kind or shape."""
+    root.mkdir(exist_ok=True)
+    a_file = root / "a-file"
+    a_file.write_text("x")
+    run_with_file = root / "run-with-file"
+    run_with_file.mkdir()
+    (run_with_file / "checkpoints").write_text("not a dir")
+    meta = json.loads((shakespeare_dir / "meta.json").read_text())
+
+    def data_dir(name, meta_json):
+        d = root / name
+        d.mkdir()
+        for split in ("train.bin", "val.bin"):
+            (d / split).write_bytes((shakespeare_dir / split).read_bytes()[:4096])
+        (d / "meta.json").write_text(meta_json)
+        return d
+
+    list_meta = data_dir("list-meta", json.dumps([meta]))
+    no_vocab = data_dir("no-vocab", json.dumps({k: v for k, v in meta.items() if k != "vocab_size"}))
+    text_vocab = data_dir("text-vocab", json.dumps(meta | {"vocab_size": "50257"}))
+    dir_split = data_dir("dir-split", json.dumps(meta))
+    (dir_split / "val.bin").unlink()
+    (dir_split / "val.bin").mkdir()
+    latin1 = root / "latin1.yaml"
+    latin1.write_bytes("model:\n  n_layer: 2  # réglé\n".encode("latin-1"))
+    hf_list = root / "hf-list"
+    hf_list.mkdir()
+    (hf_list / "config.json").write_text("[1, 2]")
+    hf_index = root / "hf-index"
+    hf_index.mkdir()
+    (hf_index / "config.json").write_text("{}")
+    (hf_index / "model.safetensors.index.json").write_text('{"weight_map": ["x"]}')
+    metrics_garbage = root / "metrics-garbage"
+    metrics_garbage.mkdir()
+    (metrics_garbage / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json at all\n{"step": 2}\n')
+    metrics_types = root / "metrics-types"
+    metrics_types.mkdir()
+    (metrics_types / "metrics.jsonl").write_text('{"step": 1, "loss": "low"}\n')
+    binary_prompt = root / "prompt.bin"
+    binary_prompt.write_bytes(b"\x89PNG\r\n\x1a\n")
+    run = str(root / "run")
+    return [
+        ("train", ["--run-dir", str(a_file), *TINY], f"run dir {a_file} is a file, not a directory"),
+        ("train", ["--run-dir", str(a_file / "sub"), *TINY], f"its parent {a_file} is a file"),
+        ("train", ["--run-dir", str(run_with_file), *TINY], "checkpoints in run dir"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={a_file}"], f"{a_file} is a file, not a directory"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={text_vocab}"], "'vocab_size' is a string"),
+        ("train", ["--run-dir", run, *TINY, f"data.path={dir_split}"], "val.bin is a directory, not a file"),
+        ("train", ["--run-dir", run, "--config", str(latin1)], "is not UTF-8 text (byte 0xe9"),
+        ("train", ["--run-dir", run, "--config", str(root)], f"config file {root} is a directory"),
+        ("train", ["--run-dir", run, "optimizer.beta1=1.5"], "optimizer.beta1 must be in [0, 1), got 1.5"),
+        ("train", ["--run-dir", run, *TINY, f"checkpoint.init_from_hf={hf_list}"], "holds a list"),
+        ("train", ["--run-dir", run, *TINY, f"checkpoint.init_from={a_file}"], "is a file, not a directory"),
+        ("report", [str(metrics_garbage)], "line 2 is not valid JSON"),
+        ("report", [str(metrics_types)], "'loss' is a string ('low'), not a number or null"),
+        ("report", [str(a_file)], "is a file, not a directory"),
+        ("hf", ["check", str(hf_index)], "'weight_map' is a list"),
+        ("hf", ["check", str(a_file)], "is a file, not a directory"),
+        ("hf", ["export", str(a_file), str(root / "out")], "is a file, not a directory"),
+        ("hf", ["export", str(root), str(a_file)], f"export directory {a_file} is a file"),
+        ("hf", ["import", str(hf_list), str(root / "imported")], "holds a list"),
+        ("sample", [run, "--prompt-file", str(binary_prompt)], "is not UTF-8 text (byte 0x89"),
+        ("sample", [run, "--prompt-file", str(root)], "is a directory, not a file"),
+        ("sample", [str(a_file)], "is a file, not a directory"),
+        ("sample", [run, "--max-new-tokens", "0"], "--max-new-tokens must be > 0, got 0"),
+        ("sample", [run, "--num-samples", "-1"], "--num-samples must be > 0, got -1"),
+        ("sample", [run, "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+        ("sample", [run, "--top-k", "-5"], "--top-k must be >= 0, got -5"),
+        ("sample", [run, "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+        ("sample", [run, "--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+        ("plan", ["--json", str(root)], f"--json {root} is a directory, not a file"),
+        ("plan", ["--device-memory-gib", "-1"], "--device-memory-gib must be > 0, got -1.0"),
+        ("prepare", [str(shakespeare_dir / "meta.json"), "--out", str(a_file)], f"--out {a_file} is a file"),
+    ]
+
+
+def test_malformed_files_and_paths_are_one_line_everywhere(tmp_path, shakespeare_dir, capsys):
+    """In-process through each command's main(): exactly one `error:` line, exit 2, nothing on stdout."""
+    import importlib
+
+    for command, argv, fragment in _bad_inputs(tmp_path, shakespeare_dir):
+        code = importlib.import_module(f"jaxgpt.{command}").main(argv)
+        out, err = capsys.readouterr()
+        assert (code, out) == (EXIT_USER_ERROR, ""), (command, argv, code, out, err)
+        assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, (command, argv, err)
+    # nothing was recorded (an init_from source is read once the run dir exists, but before step 0)
+    assert not list((tmp_path / "run").glob("*.*")) and not (tmp_path / "imported").exists()
+
+
+def test_malformed_files_exit_cleanly_as_processes(tmp_path):
+    """The same, once per kind of reader, as a real process (no traceback from any layer)."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n')
+    proc = run_cli(str(tmp_path), module="jaxgpt.report")
+    _assert_one_line_error(proc, "line 2 holds a list, not an object")
+    assert proc.stderr.count("\n") == 1 and proc.stdout == ""
+
+
+def test_non_finite_grad_norm_with_finite_loss_stops_with_one_line(tmp_path, capsys):
+    """A final LayerNorm scaled by 1e20 keeps the loss finite (~1e19) while the squared gradients
+    overflow fp32: the grad norm is inf from the first step. Clipping by an inf norm would zero every
+    update and the run would go on with grad_norm null; instead it stops with exit 3 and one line,
+    and the report is still written (from events alone: nothing was logged before step 1)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from jaxgpt import hf
+    from jaxgpt.step import abstract_model
+    from jaxgpt.train import main
+
+    cfg = load_config(None, TINY)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(np.float32),
+                          nnx.to_pure_dict(abstract_model(cfg)[1]))
+    tensors = hf.to_hf(params, cfg.model)
+    tensors["transformer.ln_f.weight"] = np.full_like(tensors["transformer.ln_f.weight"], 1e20)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, tmp_path / "hf" / hf.WEIGHTS)
+    (tmp_path / "hf" / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg.model)))
+    run = tmp_path / "run"
+    code = main(["--run-dir", str(run), "--mesh", "dp=8", *TINY, "train.steps=3",
+                 f"checkpoint.init_from_hf={tmp_path / 'hf'}"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_DIVERGED, err
+    assert err.startswith("error: the gradient norm became inf at step 1 (the loss was still ") and \
+        err.count("\n") == 1, err
+    assert "Traceback" not in out
+    assert not (run / "metrics.jsonl").exists() or all(r.get("grad_norm") is not None for r in read_metrics(run))
+    assert "the gradient norm became non-finite at step 1" in (run / "report.md").read_text()
+
+
+def test_report_skips_a_last_line_cut_short_by_a_kill(tmp_path, capsys):
+    from jaxgpt.report import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 3.5}\n{"step": 2, "val_loss": 3.4}\n{"step": 3, "lo')
+    (tmp_path / "config.yaml").write_text("train: {steps: [not, an, int]}\nmodel: 7\n")  # hand-edited: "unknown"
+    assert main([str(tmp_path)]) == 0, capsys.readouterr().err
+    report = (tmp_path / "report.md").read_text()
+    assert "| final train loss | 3.5000 (step 1) |" in report and "| steps | 2 |" in report
+    assert "| sequence length | unknown |" in report
+    from jaxgpt.metrics import format_record  # a null (non-finite) value in a record prints, never raises
+    line = format_record({"step": 1, "loss": 2.0, "lr": None, "grad_norm": None, "tokens_per_sec": None, "mfu": None})
+    assert "grad_norm nan" in line and "lr nan" in line

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from jaxgpt.config import CONFIG_DIR, Config, help_text, load_config, mesh_shape, validate
+from jaxgpt.config import CONFIG_DIR, Config, Range, all_keys, help_text, load_config, mesh_shape, validate
 from jaxgpt.errors import UserError
 
 
@@ -47,7 +49,7 @@ def test_mesh_resolution():
     (["model.n_head=3", "model.n_embd=48"], "dp=4,tp=2", "not divisible by the tp axis"),
     (["model.n_head=5"], "dp=8", "does not divide model.n_embd"),
     (["model.vocab_size=1000"], "dp=8", "raise model.vocab_size to at least 50257"),
-    (["train.steps=0"], "dp=8", "train.steps must be positive"),
+    (["train.steps=0"], "dp=8", "train.steps must be > 0, got 0"),
 ])
 def test_impossible_combinations(overrides, mesh, message):
     with pytest.raises(UserError, match=message):
@@ -59,3 +61,63 @@ def test_help_lists_every_key_with_default():
     for key in ["model.n_layer", "train.grad_accum", "mesh.tp", "optimizer.warmup_steps", "data.path"]:
         assert key in text
     assert "model.n_layer              = 4" in text
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.beta1=1.5", "optimizer.beta1 must be in [0, 1), got 1.5"),
+    ("optimizer.beta2=1", "optimizer.beta2 must be in [0, 1), got 1.0"),
+    ("optimizer.lr=inf", "optimizer.lr must be a finite number > 0, got inf"),
+    ("optimizer.lr=.nan", "optimizer.lr must be a finite number > 0, got nan"),
+    ("optimizer.lr=0", "optimizer.lr must be > 0, got 0.0"),
+    ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio must be in [0, 1], got 1.5"),
+    ("optimizer.grad_clip=-1", "optimizer.grad_clip must be >= 0, got -1.0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay must be >= 0, got -0.1"),
+    ("optimizer.eps=0", "optimizer.eps must be > 0, got 0.0"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps must be >= 0, got -1"),
+    ("train.seed=-1", "train.seed must be in [0, 4294967295], got -1"),
+    ("train.eval_every=-5", "train.eval_every must be >= 0, got -5"),
+    ("mesh.tp=0", "mesh.tp must be -1 or >= 1, got 0"),
+    ("checkpoint.keep=0", "checkpoint.keep must be > 0, got 0"),
+    ("data.prefetch=-1", "data.prefetch must be >= 0, got -1"),
+    ("logging.every=0", "logging.every must be > 0, got 0"),
+    ("train.steps=" + "9" * 400, "train.steps must be below 2**31, got " + "9" * 400),
+])
+def test_each_number_out_of_range_names_its_key_and_value(override, message):
+    with pytest.raises(UserError) as e:
+        load_config(None, [override])
+    assert str(e.value) == message
+
+
+def test_ranges_hold_for_yaml_and_for_configs_built_in_code(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: .inf\n")
+    with pytest.raises(UserError, match=r"^optimizer.lr must be a finite number > 0, got inf$"):
+        load_config(str(path))
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, beta1=1.5))
+    with pytest.raises(UserError, match=r"^optimizer.beta1 must be in \[0, 1\), got 1.5$"):
+        validate(cfg, 8)
+
+
+def test_every_numeric_key_has_a_range_shown_by_help():
+    text = help_text()
+    for key, f in all_keys().items():
+        if type(f.default) in (int, float):
+            assert f.metadata["range"] != Range(), f"{key} has no range: give its _f(...) a range="
+            assert f.default in f.metadata["range"], key
+            line = next(line for line in text.splitlines() if line.split()[:1] == [key])
+            assert f"({f.metadata['range']})" in line, line
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"model:\n  n_layer: 2\n  # \xff\xfe\n", r"is not UTF-8 text \(byte 0xff at offset 24\)"),
+    (b"- model\n- train\n", r"must hold sections such as 'model:'"),
+    (b"model: [1, 2\n", r"is not valid YAML"),
+])
+def test_bad_config_files_are_one_sentence(tmp_path, content, message):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match=message):
+        load_config(str(path))
+    with pytest.raises(UserError, match=r"config file .* is a directory, not a file"):
+        load_config(str(tmp_path))

@@ -12,12 +12,13 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_metrics, run_cli, tiny_config
+from helpers import REPO, read_metrics, run_cli, tiny_config
 from safetensors.numpy import save_file
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.errors import UserError
-from jaxgpt.hf import CONFIG, WEIGHTS, export, from_hf, hf_config, load_dir, to_hf
+from jaxgpt.hf import (CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, export, from_hf, hf_config, load_dir,
+                       restore_params, to_hf)
 from jaxgpt.model import GPT
 from jaxgpt.train import train
 
@@ -119,15 +120,42 @@ def test_exported_tensors_are_gpt2(model):
     np.testing.assert_allclose(ours_BTV, ref_BTV, rtol=0, atol=ATOL)
 
 
+def _assert_tokenizer_is_jaxgpts(hf_dir) -> None:
+    """AutoTokenizer on the exported files encodes (and decodes) exactly as jaxgpt's tiktoken GPT-2."""
+    from transformers import AutoTokenizer
+
+    from jaxgpt.tokenizer import gpt2_encoding
+
+    enc, tok = gpt2_encoding(), AutoTokenizer.from_pretrained(hf_dir)
+    assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (50256, 50256, 50257)
+    rng = np.random.default_rng(0)
+    pieces = [" ", "  ", "\n", "\n\n", "\t", "\r\n", "a", "Zz", "7", "42", "'s", "'LL", "'", "é", "ß", "日本",
+              "🤖", "e\u0301", "\u00a0", "\u3000", ".", "--", "<|endoftext|>", "<|endoftext|"]
+    texts = ["Hello world", " Hello  world  ", "\t\t x \n  \n   ", "I'll DON'T they're we've", "3.14159 1e-3",
+             "héllo wörld ☃ 🤖 日本語 עברית", "<|endoftext|>", "a<|endoftext|>b", " <|endoftext|> x",
+             "   ", "", (REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt").read_text()[:20_000]]
+    texts += ["".join(rng.choice(pieces, 30)) for _ in range(200)]
+    for text in texts:
+        ids = enc.encode(text, allowed_special="all")
+        assert tok.encode(text) == ids, repr(text)
+        assert tok.decode(ids) == text, repr(text)
+    assert tok.encode("<|endoftext|>") == [50256] and enc.encode_ordinary("ROMEO: hi") == tok.encode("ROMEO: hi")
+
+
 def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir):
     cfg = tiny_config("train.steps=2", mesh="dp=8")
     state = train(cfg, tmp_path / "run")
     assert export(tmp_path / "run", tmp_path / "hf") == 2
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == sorted(EXPORT_FILES)
     hf = json.loads((tmp_path / "hf" / CONFIG).read_text())
     want = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 50257, "n_positions": 32,
             "n_embd": 32, "n_layer": 2, "n_head": 4, "n_inner": None, "activation_function": "gelu_new",
-            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256}
+            "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True, "bos_token_id": 50256, "eos_token_id": 50256,
+            "dtype": "float32", "torch_dtype": "missing"}
     assert {k: hf.get(k, "missing") for k in want} == want
+    assert json.loads((tmp_path / "hf" / GENERATION_CONFIG).read_text()) == {"bos_token_id": 50256,
+                                                                             "eos_token_id": 50256}
+    _assert_tokenizer_is_jaxgpts(tmp_path / "hf")
     _assert_same_but_padding(load_dir(tmp_path / "hf", cfg.model), jax.device_get(state.params),
                              cfg.model.vocab_size)
     proc = run_cli("check", str(tmp_path / "hf"), module="jaxgpt.hf")
@@ -183,3 +211,35 @@ def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir):
     np.testing.assert_allclose(np.asarray(state.params["blocks"]["mlp"]["c_fc_kernel"]),
                                want["blocks"]["mlp"]["c_fc_kernel"], atol=1e-9)
     assert int(state.step) == 1 and read_metrics(run)[-1]["step"] == 1
+
+
+def test_import_makes_a_run_that_samples_exports_and_trains(model, tmp_path, capsys):
+    """python -m jaxgpt.hf import: HF weights -> a step-0 checkpoint, read back exactly by restore_params
+    (what sample and export use), exported back to the same tensors, and resumed by train."""
+    from safetensors.numpy import load_file
+
+    from jaxgpt import hf, sample
+
+    cfg, _, params = model
+    source = tmp_path / "gpt2"
+    source.mkdir()
+    save_file(to_hf(params, cfg.model), source / WEIGHTS)
+    (source / CONFIG).write_text(json.dumps(hf_config(cfg.model)))
+    run = tmp_path / "run"
+    assert hf.main(["import", str(source), str(run), "train.steps=1", "--config", "shakespeare"]) == 0
+    assert "model.n_layer=2 model.n_head=4 model.n_embd=32 model.seq_len=32" in capsys.readouterr().out
+    restored, run_cfg, step = restore_params(run)
+    assert step == 0 and run_cfg.model == cfg.model and run_cfg.train.steps == 1
+    _assert_same_but_padding(jax.device_get(restored), params, cfg.model.vocab_size)
+
+    assert export(run, tmp_path / "out") == 0
+    back, original = load_file(tmp_path / "out" / WEIGHTS), load_file(source / WEIGHTS)
+    assert back.keys() == original.keys() and all(np.array_equal(back[k], original[k]) for k in original)
+
+    assert sample.main([str(run), "--prompt", "ROMEO:", "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
+    assert hf.main(["import", str(source), str(run)]) == EXIT_USER_ERROR  # never over an existing run
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+    state = train(tiny_config("train.steps=1", mesh="dp=8"), run)  # resumes the imported step 0: full state
+    assert int(state.step) == 1 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1]

@@ -68,14 +68,21 @@ def test_sample_cli_streams_text(trained_run):
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:\n")
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--max-new-tokens", "40"], "exceeds the model's context of 32 tokens"),
-    (["--mesh", "tp=3"], "has 3 devices but 8"),
-    (["--top-p", "0"], "--top-p in (0, 1]"),
-])
-def test_sample_cli_bad_input(trained_run, args, fragment):
-    proc = run_cli(str(trained_run), *args, module="jaxgpt.sample")
-    assert proc.returncode == 2 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+def test_sample_cli_bad_input(trained_run, capsys):
+    """In-process through main(): exit 2 and one error line before any other output (no header, no prompt)."""
+    from jaxgpt.sample import main
+
+    for args, fragment in [
+        (["--max-new-tokens", "40"], "the prompt (1 tokens) plus --max-new-tokens (40) exceeds the model's context "
+                                     "of 32 tokens"),
+        (["--prompt", "a b c d e f g h i j k l m n o p q r s t u v w x y z"], "the prompt (26 tokens)"),
+        (["--mesh", "tp=3", "--max-new-tokens", "4"], "has 3 devices but 8"),
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+    ]:
+        code = main([str(trained_run), *args])
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, "") and err.startswith("error: ") and err.count("\n") == 1, (args, err)
+        assert fragment in err, (args, err)
 
 
 def test_sample_cli_missing_run(tmp_path):

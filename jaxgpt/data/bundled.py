@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxgpt import tokenizer
+from jaxgpt import files, tokenizer
 from jaxgpt.data.loader import load_meta
 from jaxgpt.errors import UserError
 
@@ -80,9 +80,7 @@ def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1
 
 
 def _read_text(path: Path) -> tuple[str, bytes]:
-    if not path.is_file():
-        raise UserError(f"Text file {path} does not exist or is not a file.")
-    raw = path.read_bytes()
+    raw = files.require_file(path, "Text file").read_bytes()
     try:
         # Same newline handling as open(path).read(): "\r\n" and "\r" become "\n".
         text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
@@ -114,6 +112,7 @@ def _encode_pieces(pieces: Sequence[str]) -> np.ndarray:
 
 def _existing_meta(out_dir: Path, meta: dict) -> dict | None:
     """The meta of an identical earlier preparation, None if out_dir is free, else UserError."""
+    files.writable_dir(out_dir, "--out")
     if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
         return None
     if (out_dir / "meta.json").is_file():

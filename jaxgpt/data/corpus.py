@@ -44,6 +44,7 @@ from jaxgpt import tokenizer
 from jaxgpt.data import readers
 from jaxgpt.data.writer import META, STATE, SplitWriter, read_state, write_json_atomically
 from jaxgpt.errors import UserError
+from jaxgpt.files import writable_dir
 
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16, as nanoGPT's FineWeb shards
@@ -94,7 +95,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     if workers < 1:
         raise UserError(f"--workers must be positive, got {workers}.")
     started = time.time()
-    out_dir = Path(out_dir)
+    out_dir = writable_dir(Path(out_dir), "--out")  # before any output: a file there is one error line
     files = readers.find_inputs(inputs)
     reader = readers.Reader(files, text_field=text_field, separator=separator,
                             skip_bad_lines=skip_bad_lines)

@@ -22,18 +22,19 @@
 [b*G, (b+1)*G) modulo the number of windows, cut the same way into per-process rows.
 """
 
-import json
 from pathlib import Path
 
 import grain
 import numpy as np
 
-from jaxgpt import tokenizer
+from jaxgpt import files, tokenizer
 from jaxgpt.errors import UserError
 
 SPLITS = ("train", "val")
 BUNDLED = "shakespeare"
 PREPARE_HINT = "python -m jaxgpt.prepare INPUT... --out DIR"
+# meta.json fields that loading relies on, and their JSON types.
+_META_SHAPE = {"tokenizer_sha256": str, "vocab_size": int, "train_tokens": int, "val_tokens": int}
 
 
 def resolve_data_dir(path: str) -> Path:
@@ -43,31 +44,35 @@ def resolve_data_dir(path: str) -> Path:
         return bundled_shakespeare_dir()
     data_dir = Path(path).expanduser()
     if not data_dir.is_dir():
-        raise UserError(f"Data directory {data_dir} does not exist; make it with "
+        kind = files.kind(data_dir)
+        there = "does not exist" if kind == "missing" else f"is {kind}, not a directory"
+        raise UserError(f"Data directory {data_dir} {there}; make it with "
                         f"`{PREPARE_HINT}` or use '{BUNDLED}'.")
-    if (data_dir / "meta.json").is_file() and "shards" in load_meta(data_dir):
-        files = [s["file"] for split in SPLITS for s in load_meta(data_dir)["shards"][split]]
+    if (data_dir / "meta.json").exists() and "shards" in load_meta(data_dir):
+        names = [s["file"] for split in SPLITS for s in load_meta(data_dir)["shards"][split]]
     else:
-        files = ["meta.json", "train.bin", "val.bin"]
-    missing = [n for n in files if not (data_dir / n).is_file()]
+        names = ["meta.json", "train.bin", "val.bin"]
+    missing = [n for n in names if not (data_dir / n).exists()]
     if missing:
         unfinished = " (an unfinished preparation: run the same prepare command to finish it)" \
             if (data_dir / ".prepare-state.json").is_file() else ""
         raise UserError(f"Data directory {data_dir} lacks {', '.join(missing[:3])}"
                         f"{' and more' if len(missing) > 3 else ''}{unfinished}; make it with "
                         f"`{PREPARE_HINT}`.")
+    for name in names:
+        files.require_file(data_dir / name, "data file")  # not a directory
     load_meta(data_dir)
     return data_dir
 
 
 def load_meta(data_dir: Path) -> dict:
     path = Path(data_dir) / "meta.json"
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path} is missing; make the directory with `{PREPARE_HINT}`.")
     try:
-        meta = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); prepare the data again.")
+        meta = files.read_json_object(path, "data file", required=_META_SHAPE)
+    except UserError as e:
+        raise UserError(f"{e}; prepare the data again with `{PREPARE_HINT}`.") from None
     if meta.get("tokenizer_sha256") != tokenizer.vocab_sha256():
         raise UserError(f"{data_dir} was tokenized with another vocabulary than this jaxgpt's "
                         f"GPT-2 one; prepare it again with `{PREPARE_HINT}`.")

@@ -1,0 +1,199 @@
+"""Reading files jaxgpt did not just write, and checking paths before writing under them.
+
+Every file a command reads (a data dir's meta.json, an HF config.json, metrics.jsonl,
+events.jsonl, a config YAML, a prompt file) can be missing, a directory, not UTF-8, not
+parseable, or parse into the wrong shape (a list where an object belongs, a key missing, a string
+where a number belongs). Each of those is one `UserError` sentence naming the file, what it was
+read as, and what is wrong; callers never see a `KeyError` or an `AttributeError` from a file.
+
+A shape is a mapping key -> allowed types (`NUMBER`, `int`, `str`, ...): `required` keys must be
+present with such a value, `optional` ones are checked only where present. `int` never admits a
+bool, although Python's `bool` is an `int`.
+
+metrics.jsonl and events.jsonl are appended to by a process that may be killed mid-line, so a last
+line without its newline that does not parse is a write cut short and is skipped (train.py trims it
+on resume); any other bad line is an error naming its line number.
+
+Paths a command writes under (a run dir, an export dir) are checked with `writable_dir` before
+anything is written or compiled: a regular file where a directory must go, or a directory where a
+file must go, is said to be what it is, instead of surfacing later as FileExistsError or
+NotADirectoryError from deep inside Orbax or TensorBoard.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jaxgpt.errors import UserError
+
+NUMBER = (int, float)
+Shape = Mapping[str, type | tuple[type, ...]]
+
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def kind(path: Path) -> str:
+    """'a directory', 'a file', 'missing', ... : what is at `path` now (symlinks followed)."""
+    path = Path(path)
+    if path.is_dir():
+        return "a directory"
+    if path.is_file():
+        return "a file"
+    if path.exists():
+        return "not a regular file (a device, socket or pipe)"
+    return "missing"
+
+
+def require_file(path: Path, what: str) -> Path:
+    """`path` if it is a regular file; otherwise UserError saying what it is instead."""
+    path = Path(path)
+    if not path.is_file():
+        there = kind(path)
+        raise UserError(f"{what} {path} does not exist" if there == "missing"
+                        else f"{what} {path} is {there}, not a file")
+    return path
+
+
+def require_dir(path: Path, what: str) -> Path:
+    """`path` if it is a directory; otherwise UserError saying what it is instead."""
+    path = Path(path)
+    if not path.is_dir():
+        there = kind(path)
+        raise UserError(f"{what} {path} does not exist" if there == "missing"
+                        else f"{what} {path} is {there}, not a directory")
+    return path
+
+
+def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterable[str] = ()) -> Path:
+    """Checks that `path` can be (or already is) a directory holding the named files and subdirs.
+
+    Nothing is created. Fails when `path` or one of its parents exists as a non-directory, or when
+    a named entry exists as the wrong kind (a file called `checkpoints`, a directory called
+    `metrics.jsonl`).
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path} is {kind(path)}, not a directory")
+    for parent in reversed(path.absolute().parents):
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{what} {path} cannot be a directory: its parent {parent} is {kind(parent)}")
+    for name in files:
+        entry = path / name
+        if entry.exists() and not entry.is_file():
+            raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt writes a file there; move it away")
+    for name in dirs:
+        entry = path / name
+        if entry.exists() and not entry.is_dir():
+            raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt keeps a directory there; "
+                            f"move it away")
+    return path
+
+
+def writable_file(path: Path, what: str) -> Path:
+    """`path` if a file can be written there: its directory exists and it is not itself a directory."""
+    path = Path(path)
+    if path.exists() and not path.is_file():
+        raise UserError(f"{what} {path} is {kind(path)}, not a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise UserError(f"{what} {path} cannot be written: {parent} "
+                        + ("does not exist" if kind(parent) == "missing" else f"is {kind(parent)}"))
+    return path
+
+
+def read_text(path: Path, what: str) -> str:
+    """A UTF-8 text file's content with universal newlines, as `open(path).read()` gives it, or
+    UserError (missing, a directory, unreadable, not UTF-8)."""
+    path = require_file(path, what)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise UserError(f"{what} {path} cannot be read ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+
+
+def _describe(value: Any) -> str:
+    return next((name for t, name in _JSON_NAMES.items() if type(value) is t), type(value).__name__)
+
+
+def _allowed(value: Any, types: type | tuple[type, ...]) -> bool:
+    types = types if isinstance(types, tuple) else (types,)
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _type_names(types: type | tuple[type, ...]) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    if set(types) >= set(NUMBER):
+        types = (float, *(t for t in types if t not in NUMBER))
+    return " or ".join(_JSON_NAMES.get(t, t.__name__) for t in types)
+
+
+def check_shape(obj: Any, where: str, required: Shape = {}, optional: Shape = {}) -> dict[str, Any]:
+    """`obj` if it is a mapping whose keys have the allowed types; `where` starts the error message."""
+    if not isinstance(obj, dict):
+        raise UserError(f"{where} holds {_describe(obj)}, not an object of keys and values")
+    missing = [k for k in required if k not in obj]
+    if missing:
+        raise UserError(f"{where} lacks the key{'s' if len(missing) > 1 else ''} "
+                        + ", ".join(f"'{k}'" for k in missing))
+    for key, types in {**optional, **required}.items():
+        if key in obj and not _allowed(obj[key], types):
+            raise UserError(f"{where}: '{key}' is {_describe(obj[key])} ({obj[key]!r:.40}), "
+                            f"not {_type_names(types)}")
+    return obj
+
+
+def read_json_object(path: Path, what: str, required: Shape = {}, optional: Shape = {}) -> dict[str, Any]:
+    """A JSON file that must hold one object with the given keys."""
+    path = Path(path)
+    text = read_text(path, what)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    return check_shape(obj, f"{what} {path}", required, optional)
+
+
+def read_jsonl(path: Path, what: str, required: Shape = {}, optional: Shape = {}) -> list[dict[str, Any]]:
+    """One JSON object per line (blank lines ignored); a last line cut short by a kill is dropped."""
+    path = Path(path)
+    text = read_text(path, what)
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it: the writer was killed mid-line
+                break
+            raise UserError(f"{what} {path}: line {number} is not valid JSON ({e.msg}): {line.strip()!r:.60}") from None
+        rows.append(check_shape(obj, f"{what} {path}: line {number}", required, optional))
+    return rows
+
+
+def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file holding a mapping (or nothing: {}); UserError for anything else."""
+    path = Path(path)
+    text = read_text(path, what)
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise UserError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise UserError(f"{what} {path} holds a YAML {type(tree).__name__}, not a mapping of keys to values")
+    return tree
