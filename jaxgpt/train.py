@@ -45,6 +45,7 @@ from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
+from jaxgpt.files import read_jsonl
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
@@ -104,10 +105,9 @@ def _trim_metrics(path: Path, step: int | None) -> None:
     """Keeps the rows of steps <= `step`, the checkpoint resumed from (None: no rows), as the module
     docstring explains: the rest are about to be written again."""
     if jax.process_index() == 0 and path.exists():
-        text = path.read_text()
-        lines = text.splitlines()[: text.count("\n")]  # a line a kill cut short has no newline: drop it
-        keep = [line for line in lines if step is not None and line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in keep))
+        # read_jsonl drops a line a kill cut short and refuses garbage in one line (never lose rows)
+        rows = read_jsonl(path, "metrics file", required={"step": int}) if step is not None else []
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
 
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
