@@ -28,7 +28,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import data, distributed, hf
+from jaxgpt import data, distributed, hf, remat
 from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
@@ -37,6 +37,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
+from jaxgpt.plan import device_memory, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, require_wandb, run_info
@@ -108,6 +109,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
         raise UserError(layout_error)
     dtype = compute_dtype(cfg.model.dtype)
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
+    cfg, remat_why, _ = remat.resolve(cfg, device_memory(devices[0]), lambda c: plan(c, devices))  # model.remat=auto
     data_dir = data.resolve_data_dir(cfg.data.path)
     validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     train_tokens, val_tokens = data.load_split(data_dir, "train"), data.load_split(data_dir, "val")
@@ -144,7 +146,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
-                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why})", flush=True)
+                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why}) | remat {m.remat} "
+                      f"({remat_why})", flush=True)
             precision = "fp8" if m.fp8 else np.dtype(dtype).name
             peak = peak_flops(devices[0], precision)
             if pid == 0:
