@@ -61,8 +61,9 @@ def per_shard(fn: Callable[..., jax.Array], logical_axes: Sequence[str | None],
     if not free:
         return fn(*args)
     spec = spec_for(args[0].shape, logical_axes, mesh, manual)
-    # check_vma=False: the cuDNN attention primitives carry no varying-manual-axes rule; the
-    # function is elementwise over the split dimensions, so every output block is exactly as
-    # varying as its inputs, which is what out_specs states.
+    # check_vma=False: with the check on, cuDNN attention inside the train step's dp shard_map fails
+    # to lower (JAX 0.10.2). Differentiating through this shard_map inside a partially manual one
+    # then works for a custom_vjp kernel such as cuDNN's (tests/test_gpu_compile.py), not for a
+    # plain function, whose cotangents lose their manual-axis types (tests/test_manual.py).
     return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec,
                          axis_names=set(free), check_vma=False)(*args)

@@ -10,6 +10,7 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -88,16 +89,22 @@ def test_dp_with_accumulation_and_fp8_still_all_reduces_once(tiny):
     assert big and all(op.times == 1 for op in big)  # per-micro-batch ones would run grad_accum times
 
 
+def _gathered(text: str) -> list[tuple[str, str]]:
+    """(element type, dims) of every array an all-gather returns, e.g. ('bf16', '768,3072')."""
+    out = []
+    for line in text.splitlines():
+        if m := re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) all-gather(?:-start)?\(", line):
+            out += re.findall(r"\b([a-z0-9]+)\[([\d,]+)\]", m.group(1))
+    return out
+
+
 def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
-    """gpt2-124m fsdp=8: the weights are cast to bf16 before they are gathered (half the bytes of
-    fp32), and gradients leave each layer as reduce-scatters (XLA:GPU; XLA:CPU uses all-reduce)."""
+    """gpt2-124m fsdp=8: every block weight matrix (QKV, attention-out, MLP in and out) is cast to
+    bf16 before it is gathered, half the bytes of fp32, and gradients leave the layer loop as
+    reduce-scatters (XLA:GPU; XLA:CPU writes all-reduce + slice)."""
     text, _ = gpt2["fsdp=8"]
-    gathers = [line for line in text.splitlines() if " all-gather-start(" in line or " all-gather(" in line]
-    assert gathers and all("bf16[" in line.split("all-gather")[0] for line in gathers if "[2304," in line or
-                           "[768,3,12,64]" in line), "the block weights are gathered in fp32"
-    block_gathers = [line for line in gathers if "bf16[2,768,3072]" in line or "bf16[768,3072]" in line]
-    assert block_gathers, "the MLP weight is not gathered in bf16"
-    assert collectives(text)["reduce-scatter"] >= 1
+    block = [dtype for dtype, dims in _gathered(text) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
+    assert len(block) >= 4 and set(block) == {"bf16"}, block
     assert any(collectives(body)["reduce-scatter"] >= 1 for body in while_bodies(text))
 
 
@@ -133,13 +140,15 @@ def test_remat_auto_takes_the_least_recompute_that_fits(h100s):
     """A device one byte smaller than the no-remat step needs: auto compiles 'none', sees that it
     does not fit, and takes the next policy that does."""
     from jaxgpt import remat
-    cfg = tiny_config("model.remat=auto", "model.seq_len=256", mesh="dp=8")
-    plans: dict[str, dict] = {}  # policy -> its plan (each compiled once)
+    cfg = tiny_config("model.remat=auto", mesh="dp=8")
+    plans: dict[str, dict] = {}  # policy -> its plan, each compiled once
+    limit = None
 
     def plan_fn(c):
         if c.model.remat not in plans:
             plans[c.model.remat] = plan(c, h100s, None, "h100")
-        return {**plans[c.model.remat], "fits": plans[c.model.remat]["memory"]["peak"] <= limit}
+        p = plans[c.model.remat]
+        return {**p, "fits": limit is not None and p["memory"]["peak"] <= limit}
 
     limit = plan_fn(remat.with_remat(cfg, "none"))["memory"]["peak"] - 1
     chosen, why, p = remat.resolve(cfg, limit, plan_fn)
