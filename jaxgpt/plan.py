@@ -236,7 +236,6 @@ def _target_devices(target: str, n: int) -> list:
     if reason := gpu_target.plugin_missing_reason():
         raise UserError(reason)
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # the plugin's "no CUDA driver" INFO lines
     if "jax" in sys.modules:  # imported, but its backends start on first use: not yet, here
         import jax
         jax.config.update("jax_platforms", "cpu")

@@ -35,7 +35,7 @@ TINY_LAYOUTS = {
     "dp4_tp2_remat_dots_no_batch": ("dp=4,tp=2", ["model.remat=dots_no_batch"]),
     "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", "model.fp8=true"]),
 }
-GPT2_LAYERS = "model.n_layer=2"
+GPT2 = ["model.n_layer=2", "model.remat=none"]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def gpt2(h100s) -> dict[str, tuple]:
     """layout -> (HLO text, parameter bytes per device in fp32) for gpt2-124m."""
     out = {}
     for mesh in ("dp=8", "fsdp=8"):
-        c = compile_step(load_config("gpt2-124m", [GPT2_LAYERS], mesh), h100s, "h100")
+        c = compile_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100")
         out[mesh] = c.compiled.as_text(), sum(x.size for x in jax.tree.leaves(c.state.params)) * 4
     return out
 
