@@ -180,10 +180,11 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     if p.get("target"):
         lines.append(f"note: compiled by XLA:GPU for compile-only {p['device_kind']} devices (--target "
                      f"{p['target']}; no GPU here, so no autotuning: GEMM kernel choices may differ)")
-    lines.append(f"attention: {p['attention']['kernel']} ({p['attention']['why']}) | fused attention calls: "
-                  f"{p['attention']['fused_calls']['forward']} forward, {p['attention']['fused_calls']['backward']} "
-                  f"backward | GEMM calls: {p['gemm_calls']['fp8']} fp8, {p['gemm_calls']['other']} other"
-                  f"{' (model.fp8=true but no fp8 GEMM: XLA did not rewrite them)' if m.fp8 and p['platform'] != 'cpu' and not p['gemm_calls']['fp8'] else ''}")
+    a, gemm = p["attention"], p["gemm_calls"]
+    no_fp8 = m.fp8 and p["platform"] != "cpu" and not gemm["fp8"]
+    lines.append(f"attention: {a['kernel']} ({a['why']}) | fused attention calls: {a['fused_calls']['forward']} "
+                 f"forward, {a['fused_calls']['backward']} backward | GEMM calls: {gemm['fp8']} fp8, "
+                 f"{gemm['other']} other{' (model.fp8=true, but XLA formed no fp8 GEMM)' if no_fp8 else ''}")
     lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | compile "
                  f"{p['compile_seconds']:.1f} s")
     if p["platform"] == "cpu":
