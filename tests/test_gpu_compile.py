@@ -28,7 +28,6 @@ needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
 
 # (mesh, overrides): every axis alone and in products, grad_accum 1 and > 1, fp8 on and off, each remat policy
 TINY_LAYOUTS = {
-    "dp8": ("dp=8", []),
     "dp8_accum2_fp8": ("dp=8", ["train.grad_accum=2", "model.fp8=true"]),
     "fsdp8_remat_full": ("fsdp=8", ["model.remat=full"]),
     "dp2_fsdp4_accum2": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots"]),
