@@ -18,17 +18,21 @@ Letters: B batch, T time (sequence), H heads, K head dim.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
 from jaxgpt.errors import UserError
+from jaxgpt.gpu.target import target_device
+from jaxgpt.manual import per_shard
 
 KERNELS = ("auto", "xla", "cudnn")
 
 
 def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device | None = None) -> str | None:
     """Why cuDNN flash attention cannot run here, or None if it can."""
-    device = device or jax.devices()[0]
+    device = device or target_device()  # a compile-only GPU while compiling for one (jaxgpt.gpu)
     if device.platform != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
         return f"it needs an NVIDIA GPU (this is {device.platform})"
     capability = float(getattr(device, "compute_capability", "0") or 0)
@@ -59,7 +63,10 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     """softmax(q k^T / sqrt(K) + causal mask) v, returning [B, T, H, K] in the inputs' dtype."""
     if impl not in ("xla", "cudnn"):
         raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
-    return jax.nn.dot_product_attention(q_BTHK, k_BTHK, v_BTHK, is_causal=True, implementation=impl)
+    attend = partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
+    if impl == "cudnn":  # each device attends over its own rows and heads (jaxgpt/manual.py: why)
+        return per_shard(attend, ("batch", "seq", "act_heads", None), q_BTHK, k_BTHK, v_BTHK)
+    return attend(q_BTHK, k_BTHK, v_BTHK)
 
 
 def reference_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array) -> jax.Array:

@@ -86,7 +86,8 @@ class ModelConfig:
                         ("auto", "xla", "cudnn"))
     fp8: bool = _f(False, "run the blocks' linear layers as fp8 matmuls (e4m3 forward, e5m2 gradients)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
-                    "outputs (dots, dots_no_batch)", ("none", "full", "dots", "dots_no_batch"))
+                    "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
+                    "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))
 
     @property
     def padded_vocab(self) -> int:

@@ -203,6 +203,19 @@ _GEMM_TARGET = re.compile(r'custom_call_target="__cu(?:blas|dnn)\$[\w$]*(?:gemm|
 _FP8 = re.compile(r"\bf8e[45]m[23]\w*\[")
 
 
+def _gemm_calls(hlo: str):
+    """(instruction line, its operands' text) for every GEMM call. Compiled HLO often names a
+    fusion's operands without their types; the fused computation's parameters carry them."""
+    signatures = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) \((.*)\) -> ", hlo, re.M)}
+    for line in hlo.splitlines():
+        if _GEMM_TARGET.search(line) or ("kind=kCustom" in line and "gemm" in line and " fusion(" in line):
+            call = re.search(r"(?:custom-call|fusion)\(([^)]*)\)", line)  # the operands, not a tuple result
+            operands = call.group(1) if call else ""
+            if callee := re.search(r"\bcalls=%?([\w.\-]+)", line):
+                operands += " " + signatures.get(callee.group(1), "")
+            yield line, operands
+
+
 def gemm_counts(hlo: str) -> dict[str, int]:
     """GEMM library calls in XLA:GPU's compiled HLO: {'fp8': n, 'other': m}.
 
@@ -211,10 +224,23 @@ def gemm_counts(hlo: str) -> dict[str, int]:
     fusion with fp8 operands counts too. If fp8 is on and 'fp8' is 0, the rewrite did not happen and
     the matmuls ran in bf16. XLA:CPU has neither, so both counts are 0 there."""
     out = {"fp8": 0, "other": 0}
-    for line in hlo.splitlines():
-        gemm_fusion = "kind=kCustom" in line and "gemm" in line and " fusion(" in line
-        if _GEMM_TARGET.search(line) or gemm_fusion:
-            call = re.search(r"(?:custom-call|fusion)\(([^)]*)\)", line)  # the operands, not a tuple result
-            operands = call.group(1) if call else ""
-            out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1
+    for line, operands in _gemm_calls(hlo):
+        out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1
+    return out
+
+
+def fp8_gemm_operand_types(hlo: str) -> set[str]:
+    """The fp8 element types that reach GEMMs as operands (e.g. {'f8e4m3fn', 'f8e5m2'})."""
+    return {t.rstrip("[") for _, operands in _gemm_calls(hlo) for t in _FP8.findall(operands)}
+
+
+_FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+
+
+def fused_attention_counts(hlo: str) -> dict[str, int]:
+    """cuDNN fused-attention calls in XLA:GPU's compiled HLO: {'forward': n, 'backward': m}
+    (custom calls `__cudnn$fmha...`; a loop body's call is counted once, as written)."""
+    out = {"forward": 0, "backward": 0}
+    for kind in _FMHA.findall(hlo):
+        out["backward" if "Backward" in kind else "forward"] += 1
     return out

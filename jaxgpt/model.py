@@ -45,6 +45,7 @@ from flax import nnx
 from jaxgpt.attention import causal_attention, select_kernel
 from jaxgpt.config import ModelConfig
 from jaxgpt.fp8 import fp8_einsum
+from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import shard
 
 STD = 0.02
@@ -60,7 +61,7 @@ REMAT_POLICIES = {
 def compute_dtype(name: str) -> jnp.dtype:
     """model.dtype -> the dtype matmuls run in ('auto': bf16 on GPU/TPU, fp32 on CPU)."""
     if name == "auto":
-        return jnp.bfloat16 if jax.default_backend() in ("gpu", "tpu") else jnp.float32
+        return jnp.bfloat16 if target_device().platform in ("gpu", "tpu") else jnp.float32
     return jnp.dtype(name)
 
 
@@ -209,6 +210,8 @@ class GPT(nnx.Module):
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
             return block(x_BTD)
 
+        if self.cfg.remat == "auto":
+            raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
         if self.cfg.remat != "none":
             apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
 

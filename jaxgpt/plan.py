@@ -15,15 +15,25 @@ imported (which is why JAX is imported inside the functions here, not at the top
 then compiled by XLA:CPU, so its memory analysis and collectives are estimates of what a GPU
 compile would give: XLA:GPU fuses differently, combines small collectives, and turns the fsdp
 gradient all-reduce + slice into a reduce-scatter. The state sizes are exact either way.
+
+`--target h100|h200 [--gpus N]` compiles for N GPUs this machine does not have (jaxgpt/gpu): the
+same step, compiled by XLA:GPU for compile-only devices, so memory, collectives, the attention
+kernel (cuDNN fused attention, counted in the HLO) and fp8 GEMMs are the GPU's own, checked against
+the device memory the target states. It needs `pip install -e ".[gpu-compile]"`.
+
+`model.remat=auto` is resolved here as in training (jaxgpt/remat.py): the plan names the policy
+it chose and why.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jaxgpt import files, hlo
 from jaxgpt.cli import ArgumentParser, run_main
@@ -76,34 +86,81 @@ def collective_summary(hlo_text: str, n_devices: int) -> dict[str, Any]:
             "unknown_trip_counts": sorted(set(unknown))}
 
 
-def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None) -> dict[str, Any]:
+def device_memory(device) -> int | None:
+    """What one device says it can hold (memory_stats()['bytes_limit']); None where it does not say
+    (CPUs, compile-only GPUs)."""
+    try:
+        return (device.memory_stats() or {}).get("bytes_limit")
+    except Exception:  # noqa: BLE001 - compile-only devices refuse memory_stats()
+        return None
+
+
+class Compiled(NamedTuple):
+    compiled: Any          # jax.stages.Compiled of the train step (cannot run on compile-only GPUs)
+    state: Any             # the abstract TrainState it takes
+    batch: Any             # the abstract batch it takes
+    sizes: dict[str, int]  # the mesh
+    dtype: Any             # the compute dtype
+    kernel: str            # the attention kernel
+    why: str               # why that kernel
+    seconds: float         # tracing + compiling
+
+
+def compile_step(cfg: Config, devices: Sequence, target: str | None = None) -> Compiled:
+    """jaxgpt.step's train step for `devices`, compiled ahead of time from shapes alone.
+
+    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target)."""
+    import jax
+
+    from jaxgpt.attention import select_kernel
+    from jaxgpt.gpu import target as gpu_target
+    from jaxgpt.mesh import make_mesh
+    from jaxgpt.step import compute_dtype, make_setup, make_train_step
+    if cfg.model.remat == "auto":
+        raise ValueError("resolve model.remat=auto first (jaxgpt.remat.resolve)")
+    sizes = validate(cfg, len(devices))
+    mesh = make_mesh(sizes, list(devices))
+    started = time.perf_counter()
+    with gpu_target.compiling_for(devices, target) if target else contextlib.nullcontext():
+        dtype = compute_dtype(cfg.model.dtype)
+        kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
+        # Shapes are built outside set_mesh: optax's init runs small eager ops, which a mesh of
+        # compile-only GPUs cannot run; only tracing needs the mesh.
+        setup = make_setup(cfg, mesh)
+        state, batch = abstract_inputs(cfg, mesh, setup)
+        with jax.set_mesh(mesh):
+            compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile()
+    return Compiled(compiled, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started)
+
+
+def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
+         target: str | None = None) -> dict[str, Any]:
     """Compiles cfg's train step for `devices` without running it; everything the plan prints.
 
-    device_memory_bytes: what one device has (default: its memory_stats()['bytes_limit'], if any).
+    device_memory_bytes: what one device has (default: the target's, else its memory_stats()).
+    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target).
     """
     import jax
     import numpy as np
 
-    from jaxgpt.mesh import make_mesh
-    from jaxgpt.step import compute_dtype, make_setup, make_train_step
-    sizes = validate(cfg, len(devices))
-    mesh = make_mesh(sizes, list(devices))
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        state, batch = abstract_inputs(cfg, mesh, setup)
-        compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile()
+    from jaxgpt.gpu import target as gpu_target
+    compiled, state, batch, sizes, dtype, kernel, why, compile_seconds = compile_step(cfg, devices, target)
+    text = compiled.as_text()
     params = per_device_bytes(state.params)
     if device_memory_bytes is None:
-        device_memory_bytes = (devices[0].memory_stats() or {}).get("bytes_limit")
+        device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(devices[0])
     memory = memory_analysis(compiled)
     return {
+        "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat,
+        "attention": {"kernel": kernel, "why": why, "fused_calls": hlo.fused_attention_counts(text)},
+        "gemm_calls": hlo.gemm_counts(text),
         "mesh": sizes, "devices": len(devices), "platform": devices[0].platform,
-        "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(compute_dtype(cfg.model.dtype)).name,
+        "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(dtype).name,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
         "state_bytes": {"parameters": params, "gradients": params,  # fp32, sharded like the parameters
                         "optimizer_state": per_device_bytes(state.opt_state), "batch": per_device_bytes(batch)},
         "memory": memory,
-        "collectives": collective_summary(compiled.as_text(), len(devices)),
+        "collectives": collective_summary(text, len(devices)),
         "device_memory_bytes": device_memory_bytes,
         "fits": None if device_memory_bytes is None else memory["peak"] <= device_memory_bytes,
     }
@@ -120,6 +177,16 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     lines = [f"plan: {name} | mesh {layout} on {p['devices']} {p['platform']} devices{kind} | "
              f"{t.batch_size} x {m.seq_len} tokens/step in {t.grad_accum} micro-batch(es) | "
              f"compute {p['compute_dtype']}"]
+    if p.get("target"):
+        lines.append(f"note: compiled by XLA:GPU for compile-only {p['device_kind']} devices (--target "
+                     f"{p['target']}; no GPU here, so no autotuning: GEMM kernel choices may differ)")
+    a, gemm = p["attention"], p["gemm_calls"]
+    no_fp8 = m.fp8 and p["platform"] != "cpu" and not gemm["fp8"]
+    lines.append(f"attention: {a['kernel']} ({a['why']}) | fused attention calls: {a['fused_calls']['forward']} "
+                 f"forward, {a['fused_calls']['backward']} backward | GEMM calls: {gemm['fp8']} fp8, "
+                 f"{gemm['other']} other{' (model.fp8=true, but XLA formed no fp8 GEMM)' if no_fp8 else ''}")
+    lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | compile "
+                 f"{p['compile_seconds']:.1f} s")
     if p["platform"] == "cpu":
         lines.append("note: compiled by XLA:CPU, so memory and collectives are CPU-compiled estimates; a GPU "
                      "compile fuses, combines and schedules differently (fsdp grads: reduce-scatter, not all-reduce)")
@@ -163,6 +230,19 @@ def _fake_devices(n: int) -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 
+def _target_devices(target: str, n: int) -> list:
+    """n compile-only GPUs; JAX must start on the CPU platform (jaxgpt.gpu.target)."""
+    from jaxgpt.gpu import target as gpu_target
+    gpu_target.description(target)  # an unknown name fails before anything heavy
+    if reason := gpu_target.plugin_missing_reason():
+        raise UserError(reason)
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # imported, but its backends start on first use: not yet, here
+        import jax
+        jax.config.update("jax_platforms", "cpu")
+    return gpu_target.compile_only_devices(target, n)
+
+
 def _main(argv: Sequence[str] | None) -> None:
     parser = ArgumentParser(
         prog="python -m jaxgpt.plan", description="Compile the train step for a mesh and report memory and "
@@ -171,6 +251,9 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
     parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
     parser.add_argument("--fake-devices", type=int, help="plan for N CPU devices (layouts bigger than this machine)")
+    parser.add_argument("--target", help="compile for GPUs this machine lacks, with XLA:GPU: h100 or h200 "
+                        "(needs pip install -e \".[gpu-compile]\")")
+    parser.add_argument("--gpus", type=int, help="with --target: how many GPUs (default 1)")
     parser.add_argument("--device-memory-gib", type=float,
                         help="warn when a device needs more than this (default: the device's own, if it says)")
     parser.add_argument("--json", help="also write the plan to this file")
@@ -181,11 +264,24 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--device-memory-gib must be {POSITIVE}, got {args.device_memory_gib}")
     if args.json:  # checked before compiling, not after
         files.writable_file(args.json, "--json")
+    if args.gpus is not None and args.target is None:
+        raise UserError("--gpus needs --target h100 or h200")
+    if args.target is not None and args.fake_devices is not None:
+        raise UserError("--target and --fake-devices are two different machines; give one")
     if args.fake_devices is not None:
         _fake_devices(args.fake_devices)
-    import jax
+    if args.target is not None:
+        devices = _target_devices(args.target, 1 if args.gpus is None else args.gpus)
+    else:
+        import jax
+        devices = jax.devices()
     limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
-    result = plan(cfg, jax.devices(), limit)
+    from jaxgpt import remat
+    from jaxgpt.gpu.target import device_memory_bytes
+    memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(devices[0]))
+    cfg, remat_why, result = remat.resolve(cfg, memory, lambda c: plan(c, devices, limit, args.target))
+    result = result or plan(cfg, devices, limit, args.target)
+    result["remat_why"] = remat_why
     print(format_plan(result, args.config or "shakespeare", cfg), flush=True)
     if result["fits"] is False:
         print(f"warning: this would not fit: {result['memory']['peak'] / GIB:.2f} GiB per device > "

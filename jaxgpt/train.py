@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import data, distributed, hf
+from jaxgpt import data, distributed, hf, remat
 from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
@@ -49,6 +49,7 @@ from jaxgpt.files import read_jsonl
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
+from jaxgpt.plan import device_memory, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
@@ -124,6 +125,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
     train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix)
     validate(cfg, len(devices), data_vocab)
+    cfg, remat_why, _ = remat.resolve(cfg, device_memory(devices[0]), lambda c: plan(c, devices))  # model.remat=auto
     t, m = cfg.train, cfg.model
     pid, nproc = jax.process_index(), jax.process_count()
     batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
@@ -157,7 +159,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
-                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why})", flush=True)
+                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why}) | remat {m.remat} "
+                      f"({remat_why})", flush=True)
             precision = "fp8" if m.fp8 else np.dtype(dtype).name
             peak = peak_flops(devices[0], precision)
             if pid == 0:

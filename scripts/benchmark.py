@@ -45,7 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxgpt import data, distributed, plan
+from jaxgpt import data, distributed, plan, remat
 from jaxgpt.attention import select_kernel
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
@@ -71,6 +71,7 @@ def input_tokens_per_sec(cfg: Config, tokens: np.ndarray, n_batches: int) -> flo
 
 def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     devices = distributed.ordered_devices()
+    cfg = remat.resolve(cfg, plan.device_memory(devices[0]), lambda c: plan.plan(c, devices))[0]  # remat=auto
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     tokens = data.load_split(data_dir, "train")
@@ -109,7 +110,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     collectives = plan.collective_summary(hlo, len(devices))
     return {
         "mesh": sizes, "devices": len(devices), "processes": jax.process_count(),
-        "device_kind": devices[0].device_kind, "compute_dtype": dtype, "fp8": m.fp8,
+        "device_kind": devices[0].device_kind, "compute_dtype": dtype, "fp8": m.fp8, "remat": m.remat,
         "attention": select_kernel(m.attention, compute_dtype(m.dtype), m.head_dim)[0],
         "gemm_calls": gemm_counts(hlo),  # XLA:GPU library GEMMs, fp8 vs other (0 on CPU)
         "parameters": int(sum(

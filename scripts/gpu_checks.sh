@@ -9,7 +9,7 @@
 #            with JAXGPT_TEST_GPU=1, so the cuDNN case runs instead of being skipped)
 #   plan     python -m jaxgpt.plan for gpt2-124m and gpt2-1.3b against this GPU's memory
 #   bench124 scripts/benchmark.py, gpt2-124m at 1024 context: xla vs cudnn attention, fp8 off/on
-#   bench13  the same for gpt2-1.3b at 2048 context (remat=full, as configured)
+#   bench13  the same for gpt2-1.3b at 2048 context (remat=auto, as configured)
 #   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
 #            with fp8 from the same seed; prints both final losses and their relative gap (goal <1%)
 #

@@ -1,0 +1,169 @@
+"""The train step compiled by XLA:GPU for 8 compile-only H100s (jaxgpt/gpu), no GPU needed.
+
+Each layout's step is the real one (jaxgpt.plan.compile_step -> jaxgpt.step), compiled once per
+module; the assertions read XLA:GPU's own HLO: cuDNN fused attention forward and backward under
+every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/manual.py), one
+gradient all-reduce per step under dp, bf16 weight gathers and gradient reduce-scatters under fsdp,
+tp's all-reduces inside the layer loops. The tiny model covers the layout matrix; gpt2-124m (2 of
+its 12 layers, everything else as configured, so compiling stays short) covers dp=8 and fsdp=8.
+Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import jax
+import pytest
+from helpers import REPO, TINY, tiny_config
+
+from jaxgpt.config import load_config
+from jaxgpt.gpu.target import INSTALL, compile_only_devices, device_memory_bytes, plugin_missing_reason
+from jaxgpt.hlo import collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts, while_bodies
+from jaxgpt.plan import compile_step, plan
+
+needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
+                                  reason=f"needs the CUDA plugin to compile for H100: {INSTALL}")
+
+# (mesh, overrides): every axis alone and in products, grad_accum 1 and > 1, fp8 on and off, each remat policy
+TINY_LAYOUTS = {
+    "dp8_accum2_fp8": ("dp=8", ["train.grad_accum=2", "model.fp8=true"]),
+    "fsdp8_remat_full": ("fsdp=8", ["model.remat=full"]),
+    "dp2_fsdp4_accum2": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots"]),
+    "dp4_tp2_remat_dots_no_batch": ("dp=4,tp=2", ["model.remat=dots_no_batch"]),
+    "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", "model.fp8=true"]),
+}
+GPT2 = ["model.n_layer=2", "model.remat=none"]
+
+
+@pytest.fixture(scope="module")
+def h100s() -> list:
+    return compile_only_devices("h100", 8)
+
+
+@pytest.fixture(scope="module")
+def tiny(h100s) -> dict[str, str]:
+    """name -> compiled HLO text, each layout compiled once for the module."""
+    out = {}
+    for name, (mesh, overrides) in TINY_LAYOUTS.items():
+        c = compile_step(tiny_config(*overrides, mesh=mesh), h100s, "h100")
+        assert c.kernel == "cudnn" and c.dtype == jax.numpy.bfloat16, (name, c.why)
+        out[name] = c.compiled.as_text()
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt2(h100s) -> dict[str, tuple]:
+    """layout -> (HLO text, parameter bytes per device in fp32) for gpt2-124m."""
+    out = {}
+    for mesh in ("dp=8", "fsdp=8"):
+        c = compile_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100")
+        out[mesh] = c.compiled.as_text(), sum(x.size for x in jax.tree.leaves(c.state.params)) * 4
+    return out
+
+
+@needs_plugin
+def test_every_layout_compiles_with_cudnn_attention_forward_and_backward(tiny, gpt2):
+    for name, text in [*tiny.items(), *((m, t) for m, (t, _) in gpt2.items())]:
+        counts = fused_attention_counts(text)
+        assert counts["forward"] >= 1 and counts["backward"] >= 1, (name, counts)
+
+
+@needs_plugin
+def test_dp_all_reduces_gradients_once_per_step(gpt2):
+    """gpt2-124m dp=8 with 16 micro-batches: every all-reduce runs once per step, not per micro-batch
+    or layer, and together they are one fp32 gradient (plus scalars: loss, fp8-free here)."""
+    text, param_bytes = gpt2["dp=8"]
+    ops = [op for op in collective_ops(text)[0] if op.kind == "all-reduce"]
+    assert ops and all(op.times == 1 for op in ops), [(op.bytes, op.times) for op in ops]
+    assert param_bytes <= sum(op.bytes for op in ops) < 1.01 * param_bytes
+    assert collectives(text)["all-gather"] == collectives(text)["reduce-scatter"] == 0
+
+
+@needs_plugin
+def test_dp_with_accumulation_and_fp8_still_all_reduces_once(tiny):
+    big = [op for op in collective_ops(tiny["dp8_accum2_fp8"])[0] if op.kind == "all-reduce" and op.bytes > 64]
+    assert big and all(op.times == 1 for op in big)  # per-micro-batch ones would run grad_accum times
+
+
+def _gathered(text: str) -> list[tuple[str, str]]:
+    """(element type, dims) of every array an all-gather returns, e.g. ('bf16', '768,3072')."""
+    out = []
+    for line in text.splitlines():
+        if m := re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.*?) all-gather(?:-start)?\(", line):
+            out += re.findall(r"\b([a-z0-9]+)\[([\d,]+)\]", m.group(1))
+    return out
+
+
+@needs_plugin
+def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
+    """gpt2-124m fsdp=8: every block weight matrix (QKV, attention-out, MLP in and out) is cast to
+    bf16 before it is gathered, half the bytes of fp32, and gradients leave the layer loop as
+    reduce-scatters (XLA:GPU; XLA:CPU writes all-reduce + slice)."""
+    text, _ = gpt2["fsdp=8"]
+    block = [dtype for dtype, dims in _gathered(text) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
+    assert len(block) >= 4 and set(block) == {"bf16"}, block
+    assert any(collectives(body)["reduce-scatter"] >= 1 for body in while_bodies(text))
+
+
+@needs_plugin
+def test_tp_collectives_sit_inside_the_layer_loop(tiny):
+    for name in ("dp4_tp2_remat_dots_no_batch", "dp2_fsdp2_tp2_accum2_fp8"):
+        tp_in_loops = [op for op in collective_ops(tiny[name])[0] if op.kind == "all-reduce" and op.times >= 2]
+        assert tp_in_loops, name  # the 2 layers' row-parallel partial sums
+
+
+@needs_plugin
+@pytest.mark.xfail(strict=True, reason="XLA:GPU does not form fp8 GEMMs from jaxgpt/fp8.py's quantize-"
+                   "dequantize pattern: the f8 round trip is simplified away or left as a separate bf16 "
+                   "multiply (docs/benchmarks.md)")
+def test_fp8_operands_reach_the_gemms(tiny):
+    for name in ("dp8_accum2_fp8", "dp2_fsdp2_tp2_accum2_fp8"):
+        assert fp8_gemm_operand_types(tiny[name]) >= {"f8e4m3fn", "f8e5m2"}, name
+
+
+@needs_plugin
+def test_plan_command_for_8_h100():
+    """The user's command: a plan from XLA:GPU with cuDNN attention, fitting an H100."""
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
+                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "model.remat=auto"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "on 8 gpu devices (NVIDIA H100 80GB HBM3)" in out and "compiled by XLA:GPU" in out
+    assert "attention: cudnn" in out and "fused attention calls: 1 forward, 1 backward" in out
+    assert "remat: none (auto: none, the least recompute that fits 79.1 GiB" in out
+    assert f"{device_memory_bytes('h100') / 2**20:,.1f}   fits" in out
+    assert "reduce-scatter" in out
+
+
+@needs_plugin
+def test_remat_auto_takes_the_least_recompute_that_fits(h100s):
+    """A device one byte smaller than the no-remat step needs: auto compiles 'none', sees that it
+    does not fit, and takes the next policy that does."""
+    from jaxgpt import remat
+    cfg = tiny_config("model.remat=auto", mesh="dp=8")
+    plans: dict[str, dict] = {}  # policy -> its plan, each compiled once
+    limit = None
+
+    def plan_fn(c):
+        if c.model.remat not in plans:
+            plans[c.model.remat] = plan(c, h100s, None, "h100")
+        p = plans[c.model.remat]
+        return {**p, "fits": limit is not None and p["memory"]["peak"] <= limit}
+
+    limit = plan_fn(remat.with_remat(cfg, "none"))["memory"]["peak"] - 1
+    chosen, why, p = remat.resolve(cfg, limit, plan_fn)
+    assert chosen.model.remat != "none" and p["fits"], why
+    assert why.startswith(f"auto: {chosen.model.remat}, the least recompute that fits")
+    assert remat.resolve(cfg, None, None)[0].model.remat == "none"  # a CPU: memory unknown
+
+
+def test_without_the_plugin_the_command_says_what_to_install():
+    code = ("import sys; sys.modules['jax_plugins.xla_cuda12'] = None; from jaxgpt.plan import main; "
+            "sys.exit(main(['--target', 'h100', '--gpus', '8']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
+        f"error: compiling for a GPU without one needs the CUDA plugin: {INSTALL}"]
