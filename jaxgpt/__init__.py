@@ -1,4 +1,4 @@
-"""jaxgpt: GPT pretraining in JAX/Flax over data, FSDP, tensor, pipeline and expert-parallel meshes."""
+"""jaxgpt: GPT pretraining in JAX/Flax over data, FSDP and tensor-parallel meshes."""
 
 import importlib.util as _util
 import os as _os
@@ -7,9 +7,15 @@ __version__ = "0.1.0"
 
 # The `gpu-compile` extra installs JAX's CUDA plugin on machines without a GPU (to compile for
 # H100/H200 on paper). Left alone, JAX would then try to start CUDA and print a long "Unable to
-# load CUDA" traceback before falling back to the CPU. Without an NVIDIA driver there is no GPU
-# to find, so ask for the CPU directly; a real GPU host (driver present) is not affected, nor is
-# an explicit JAX_PLATFORMS.
-if ("JAX_PLATFORMS" not in _os.environ and not _os.path.exists("/proc/driver/nvidia/version")
-        and _util.find_spec("jax_plugins.xla_cuda12") is not None):
-    _os.environ["JAX_PLATFORMS"] = "cpu"
+# load CUDA" traceback before falling back to the CPU, and loading the plugin prints absl lines
+# from C++ ("Could not find cuda drivers on your machine") four times per process, which would
+# bury the one `error:` line a bad input gets. Without an NVIDIA driver there is no GPU to find,
+# so ask for the CPU directly (unless JAX_PLATFORMS says otherwise), and import JAX and load its
+# plugins now with exactly those lines filtered out of file descriptor 2 (the C++ side writes
+# there directly). A real GPU host (driver present) is not affected.
+if (not _os.path.exists("/proc/driver/nvidia/version")
+        and _util.find_spec("jax_plugins") is not None and _util.find_spec("jax_plugins.xla_cuda12") is not None):
+    _os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jaxgpt._quiet import load_jax_without_plugin_noise as _load
+
+    _load()
