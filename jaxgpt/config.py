@@ -88,6 +88,9 @@ class ModelConfig:
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
                     "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
                     "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))
+    loss_chunk: int = _f(0, "positions per chunk of the fused head + cross-entropy: only [batch, chunk, vocab] "
+                         "logits exist at a time; must divide seq_len; 0 = auto (512 rows per device on CPU, "
+                         "8192 on GPU)", range=NONNEGATIVE)
 
     @property
     def padded_vocab(self) -> int:
@@ -349,6 +352,8 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         section, name = key.split(".", 1)
         _check_range(key, getattr(getattr(cfg, section), name), f)
     sizes = mesh_shape(cfg.mesh, n_devices)
+    if m.loss_chunk and m.seq_len % m.loss_chunk:
+        raise UserError(f"model.loss_chunk={m.loss_chunk} does not divide model.seq_len={m.seq_len}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
     if t.batch_size % t.grad_accum:

@@ -188,10 +188,12 @@ class GPT(nnx.Module):
         self.blocks = make_blocks(rngs)
         self.ln_f = LayerNorm(cfg.n_embd, rngs)
 
-    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32,
-                 cache: KVCache | None = None) -> jax.Array | tuple[jax.Array, KVCache]:
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, cache: KVCache | None = None,
+                 features_only: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
-        With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns."""
+        With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns.
+        `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
+        (jaxgpt/loss.py), which applies the head a chunk at a time."""
         T = tokens_BT.shape[1]
         pos = 0 if cache is None else cache.pos
         # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
@@ -219,15 +221,20 @@ class GPT(nnx.Module):
         def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
             return apply_block(block, x_BTD)
 
-        return self._logits(run_blocks(x_BTD, self.blocks), dtype)
+        x_BTD = run_blocks(x_BTD, self.blocks)
+        return self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
 
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        x_BTD = self.ln_f(x_BTD)
-        logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, self.wte[...].astype(dtype),
-                                preferred_element_type=jnp.float32)
-        logits_BTV = shard(logits_BTV, "batch", "seq", "act_vocab")
-        is_real_V = jnp.arange(self.cfg.padded_vocab) < self.cfg.vocab_size
-        return jnp.where(is_real_V, logits_BTV, -jnp.inf)
+        return head_logits(self.ln_f(x_BTD), self.wte[...], self.cfg.vocab_size, dtype)
+
+
+def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype) -> jax.Array:
+    """The tied output head: normalised features [B, T, D] -> fp32 logits [B, T, V], the
+    vocabulary padding at -inf (no probability, no gradient)."""
+    logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, wte_VD.astype(dtype), preferred_element_type=jnp.float32)
+    logits_BTV = shard(logits_BTV, "batch", "seq", "act_vocab")
+    is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
+    return jnp.where(is_real_V, logits_BTV, -jnp.inf)
 
 
 def param_count(cfg: ModelConfig, include_position: bool = True) -> int:

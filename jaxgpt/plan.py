@@ -220,14 +220,15 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
 
 
 def _fake_devices(n: int) -> None:
-    """N CPU devices: must happen before JAX is imported, which reads these once."""
+    """N CPU devices: must happen before JAX creates its backends, which read this once."""
     if n < 1:
         raise UserError(f"--fake-devices must be positive, got {n}")
-    if "jax" in sys.modules:
-        raise UserError("--fake-devices must be set before JAX is imported; run python -m jaxgpt.plan")
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    from jax._src import xla_bridge
+    if xla_bridge.backends_are_initialized():
+        raise UserError("--fake-devices must be set before JAX starts its devices; run python -m jaxgpt.plan")
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", n)
 
 
 def _target_devices(target: str, n: int) -> list:

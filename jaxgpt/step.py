@@ -38,7 +38,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import Config
+from jaxgpt.config import Config, ModelConfig
+from jaxgpt.loss import chunked_cross_entropy
 from jaxgpt.mesh import named
 from jaxgpt.model import GPT, compute_dtype
 from jaxgpt.optim import lr_schedule, make_optimizer
@@ -111,41 +112,30 @@ def abstract_state(cfg: Config, setup: Setup) -> TrainState:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
 
 
-def cross_entropy(logits_BTV: jax.Array, labels_BT: jax.Array) -> jax.Array:
-    """Mean cross-entropy in fp32. The label's logit is picked by comparing the vocabulary index
-    with the label and summing, not by a gather: with the vocabulary split over tp that is
-    Megatron's vocab-parallel cross-entropy (each shard sums its own slice, XLA adds one small
-    all-reduce), XLA fuses the compare into the reduction, and it avoids a gather that XLA's
-    partitioner cannot split inside the train step's dp `shard_map` when fsdp and tp are both > 1."""
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    is_label_BTV = jnp.arange(logits_BTV.shape[-1]) == labels_BT[..., None]
-    label_logit_BT = jnp.sum(jnp.where(is_label_BTV, logits_BTV, 0.0), axis=-1)
-    return (lse_BT - label_logit_BT).mean()
-
-
-def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of windows [B, T+1]."""
+def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
+            dtype: jnp.dtype) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of windows [B, T+1], the head applied a chunk at a time."""
     model = nnx.merge(graphdef, params)
-    logits_BTV = model(batch_BT1[:, :-1], dtype)
-    return cross_entropy(logits_BTV, batch_BT1[:, 1:])
+    x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
+    return chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
 
 
 def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
     """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'}), the state donated."""
     A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
-    grad_fn = jax.value_and_grad(loss_fn)
+    grad_fn = jax.value_and_grad(loss_fn)  # w.r.t. params
 
     def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[jax.Array, dict]:
         """(loss, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (dp-varying inside the shard_map below)."""
         if A == 1:
-            return grad_fn(params, setup.graphdef, batch_BT1, dtype)
+            return grad_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
 
         def accumulate(carry, micro_BT1):
-            loss, grads = grad_fn(params, setup.graphdef, micro_BT1, dtype)
+            loss, grads = grad_fn(params, setup.graphdef, micro_BT1, cfg.model, dtype)
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = vary((jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))
@@ -182,6 +172,6 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     """jit(params, batch [B, T+1]) -> mean loss."""
     dtype = compute_dtype(cfg.model.dtype)
-    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, dtype),
+    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, cfg.model, dtype),
                    in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
                    out_shardings=NamedSharding(mesh, P()))

@@ -39,7 +39,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import data, distributed, hf, remat
+from jaxgpt import allocator, data, distributed, hf, remat
 from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
@@ -161,6 +161,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why}) | remat {m.remat} "
                       f"({remat_why})", flush=True)
+                if devices[0].platform == "cpu":
+                    print(f"host allocator: {allocator.describe()}", flush=True)
             precision = "fp8" if m.fp8 else np.dtype(dtype).name
             peak = peak_flops(devices[0], precision)
             if pid == 0:
@@ -267,4 +269,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    allocator.reexec()  # once, before JAX loads: tcmalloc or glibc huge pages (jaxgpt/allocator.py)
     sys.exit(main())

@@ -20,6 +20,8 @@ donated, as in training) and reports:
     gemm_calls       (JSON) cuBLAS/cuDNN GEMM calls in the compiled step, fp8 vs other: with
                      model.fp8=true on a Hopper GPU 'fp8' must be > 0 (jaxgpt.hlo.gemm_counts)
     attention        (JSON) the attention kernel the model runs (xla or cudnn)
+    faults/step      (JSON) median minor page faults per timed step, and the process's peak RSS: the
+                     cost of allocating the step's temporaries afresh (jaxgpt/allocator.py)
     input tokens/s   the Grain pipeline alone (jaxgpt.data.train_iterator on the config's data,
                      batch and seq_len), on this host, over --input-batches batches after the
                      first; and its ratio to what the step consumes per host (>= 10x is healthy)
@@ -27,7 +29,7 @@ donated, as in training) and reports:
 The batches fed to the step are real data, read and placed on the devices before timing, so the
 step time excludes the input pipeline, which is measured on its own. Prints one JSON object and
 one markdown row:
-| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |
+| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | faults/step | input tokens/s |
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import argparse
 import datetime
 import json
 import math
+import resource
 import subprocess
 import sys
 import time
@@ -45,7 +48,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxgpt import data, distributed, plan, remat
+from jaxgpt import allocator, data, distributed, plan, remat
 from jaxgpt.attention import select_kernel
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
@@ -89,13 +92,14 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
         t0 = time.perf_counter()
         compiled = make_train_step(cfg, mesh, setup).lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - t0
-        times, losses = [], []
+        times, faults, losses = [], [], []
         for i, batch in enumerate(batches):
-            t0 = time.perf_counter()
+            faults0, t0 = _minor_faults(), time.perf_counter()
             state, metrics = compiled(state, batch)  # the old state is donated
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
+                faults.append(_minor_faults() - faults0)
             losses.append(float(metrics["loss"]))
     if not all(map(math.isfinite, losses)):
         raise UserError(f"the loss became non-finite during the benchmark: {losses}")
@@ -120,6 +124,9 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
                     "p90": 1e3 * float(np.percentile(times, 90)), "min": 1e3 * min(times),
                     "max": 1e3 * max(times)},
         "tokens_per_sec": rate, "mfu": mfu(rate, m, len(devices), peak),
+        "allocator": allocator.describe().split(";")[0],
+        "minor_faults_per_step": float(np.median(faults)),  # pages the step faulted in (allocation churn)
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # whole process, so far
         "memory": plan.memory_analysis(compiled),
         "collective_bytes": collectives["bytes"], "collective_wire_bytes": collectives["wire_bytes"],
         "collective_count": collectives["count"],
@@ -127,6 +134,10 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
         "input_ratio": input_rate / (rate / jax.process_count()),  # one host's pipeline vs its share
         "loss_first_last": [losses[0], losses[-1]],
     }
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _commit() -> str | None:
@@ -144,7 +155,7 @@ def markdown_row(name: str, r: dict) -> str:
     return (f"| {name} | {layout} | {r['devices']} | {r['compile_s']:.1f} | {ms['median']:,.1f} "
             f"({ms['p10']:,.1f}-{ms['p90']:,.1f}) | {r['tokens_per_sec']:,.0f} | {mfu_s} | "
             f"{r['memory']['peak'] / 2**20:,.0f} | {sum(r['collective_bytes'].values()) / 2**20:,.1f} | "
-            f"{r['input_tokens_per_sec']:,.0f} ({r['input_ratio']:,.0f}x) |")
+            f"{r['minor_faults_per_step']:,.0f} | {r['input_tokens_per_sec']:,.0f} ({r['input_ratio']:,.0f}x) |")
 
 
 def _main(argv: Sequence[str] | None) -> None:
@@ -173,4 +184,5 @@ def _main(argv: Sequence[str] | None) -> None:
 
 
 if __name__ == "__main__":
+    allocator.reexec()  # the allocator training uses (jaxgpt/allocator.py); JAXGPT_ALLOCATOR=system: glibc as is
     sys.exit(run_main(_main))

@@ -9,12 +9,24 @@ import sys
 from pathlib import Path
 
 from jaxgpt.config import load_config
+from jaxgpt.hlo import while_bodies
 
 REPO = Path(__file__).resolve().parent.parent
 
 # Small enough to compile and step in seconds on 2 cores; every axis still divides by 2 (and 8).
 TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.seq_len=32",
-        "train.batch_size=16", "train.eval_every=0", "logging.every=1", "optimizer.warmup_steps=2"]
+        "train.batch_size=16", "train.eval_every=0", "logging.every=1", "optimizer.warmup_steps=2",
+        "model.loss_chunk=8"]  # the fused loss over 4 chunks in every layout (auto would take 1 here)
+
+
+def layer_loops(hlo: str, padded_vocab: int = 50304) -> list[str]:
+    """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
+    are the ones that carry the [V, D] embedding gradient (jaxgpt/loss.py)."""
+    return [body for body in while_bodies(hlo) if f"[{padded_vocab}," not in body]
+
+
+def loss_loops(hlo: str, padded_vocab: int = 50304) -> list[str]:
+    return [body for body in while_bodies(hlo) if f"[{padded_vocab}," in body]
 
 
 def tiny_config(*overrides: str, mesh: str | None = None):

@@ -48,6 +48,7 @@ def test_mesh_resolution():
     (["train.grad_accum=3"], "dp=8", "does not divide train.batch_size"),
     (["model.n_head=3", "model.n_embd=48"], "dp=4,tp=2", "not divisible by the tp axis"),
     (["model.n_head=5"], "dp=8", "does not divide model.n_embd"),
+    (["model.loss_chunk=48"], "dp=8", "model.loss_chunk=48 does not divide model.seq_len=128"),
     (["model.vocab_size=1000"], "dp=8", "raise model.vocab_size to at least 50257"),
     (["train.steps=0"], "dp=8", "train.steps must be > 0, got 0"),
 ])

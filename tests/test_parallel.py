@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import tiny_config, train_losses
+from helpers import layer_loops, loss_loops, tiny_config, train_losses
 
 from jaxgpt.config import validate
 from jaxgpt.hlo import collective_bytes, collectives, while_bodies
@@ -103,7 +103,7 @@ def test_dp_collectives():
     hlo = _compiled_hlo("dp=8")
     assert collectives(hlo)["all-reduce"] >= 1
     assert collectives(hlo)["all-gather"] == 0
-    assert any(sum(collectives(body).values()) == 0 for body in while_bodies(hlo))
+    assert any(sum(collectives(body).values()) == 0 for body in layer_loops(hlo))
 
 
 def test_dp_reduces_gradients_once_per_step():
@@ -125,9 +125,11 @@ def test_fsdp_collectives():
     hlo = _compiled_hlo("fsdp=8")
     counts = collectives(hlo)
     assert counts["all-reduce"] + counts["reduce-scatter"] >= 1
-    bodies = while_bodies(hlo)
+    bodies = layer_loops(hlo)
     assert len(bodies) >= 2 and all(collectives(b)["all-gather"] >= 1 for b in bodies)
     assert any(collectives(b)["all-reduce"] == 0 for b in bodies), "the forward loop needs no all-reduce"
+    # the fused loss's chunk loop uses the table gathered once before it: no collective inside
+    assert loss_loops(hlo) and all(sum(collectives(b).values()) == 0 for b in loss_loops(hlo))
     assert "f32[50304,32]{0,1} all-gather(" in hlo or "f32[50304,32]{1,0} all-gather(" in hlo
 
 
@@ -136,7 +138,7 @@ def test_tp_collectives(layout):
     """Tensor parallel: the row-parallel matmuls (attention-out, MLP-out) leave partial sums that
     are all-reduced inside every layer, forward and backward, so every layer loop holds all-reduces."""
     hlo = _compiled_hlo(layout)
-    bodies = while_bodies(hlo)
+    bodies = layer_loops(hlo)
     assert len(bodies) >= 2 and all(collectives(b)["all-reduce"] >= 1 for b in bodies)
     if "fsdp" not in layout:
         assert collectives(hlo)["all-gather"] == 0
