@@ -86,7 +86,6 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
     """Mean cross-entropy of the tied head on final features x [B, T, D] (after ln_f)."""
     B, T, D = x_BTD.shape
     t = chunk_positions(cfg, _rows_per_device(B))
-    wte_VD = shard(wte_VD, "vocab", None)  # FSDP: gather the table once, outside the loop
     x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
     labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
     return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype) / (B * T)
@@ -95,6 +94,8 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
     """Summed loss over the chunks (the primal: evaluation, no gradients)."""
+    wte_VD = _gathered(wte_VD, dtype)
+
     def body(_, chunk):
         x_BtD, labels_Bt = chunk
         return None, _cross_entropy(head_logits(x_BtD, wte_VD, vocab_size, dtype), labels_Bt)[0]
@@ -108,6 +109,7 @@ def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
     gradients are the residuals, so the backward pass only scales them."""
     B, t = x_CBtD.shape[1:3]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
+    param_VD, wte_VD = wte_VD, _gathered(wte_VD, dtype)
 
     def body(dwte_SVD, chunk):
         x_BtD, labels_Bt = chunk
@@ -124,9 +126,18 @@ def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
     # A [V, D] carry would be all-reduced over the batch axes in every chunk (GSPMD has no
     # partial-sum carry); one partial sum per batch shard, summed once after the loop, is one
     # reduction per step. full_like keeps wte's type (dp-varying inside the dp shard_map).
-    zeros_SVD = shard(jax.lax.full_like(wte_VD, 0, jnp.float32, shape=(S, *wte_VD.shape)), "batch", "vocab", None)
+    zeros_SVD = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, *wte_VD.shape)), "batch", "vocab", None)
     dwte_SVD, (losses_CB, dx_CBtD) = jax.lax.scan(body, zeros_SVD, (x_CBtD, labels_CBt))
-    return jnp.sum(losses_CB), (dx_CBtD, jnp.sum(dwte_SVD, axis=0).astype(wte_VD.dtype), labels_CBt)
+    # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
+    # all-reduce of the whole table followed by a slice.
+    dwte_VD = shard(jnp.sum(dwte_SVD, axis=0).astype(param_VD.dtype), "vocab", "embed")
+    return jnp.sum(losses_CB), (dx_CBtD, dwte_VD, labels_CBt)
+
+
+def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """The table in the compute dtype, whole along D: under FSDP one gather per micro-batch, in
+    bf16 on a GPU, before the chunk loop (not one per chunk); the gradient is the custom_vjp's."""
+    return shard(wte_VD.astype(dtype), "vocab", None)
 
 
 def _head_loss_bwd(vocab_size, dtype, residuals, g):
