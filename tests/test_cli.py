@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers import TINY, read_metrics, run_cli
 
+from jaxgpt import allocator
 from jaxgpt.cli import EXIT_DIVERGED, EXIT_USER_ERROR
 from jaxgpt.config import load_config
 
@@ -84,6 +85,10 @@ def test_end_to_end_run_writes_metrics(tmp_path):
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+    # the command re-executed itself once with a faster host allocator (jaxgpt/allocator.py)
+    used = "tcmalloc" if allocator.find_tcmalloc() else "glibc-thp"
+    assert f"host allocator: {used}" in proc.stdout, proc.stdout
+    assert ("apt install libtcmalloc-minimal4" in proc.stdout) == (used != "tcmalloc")
 
 
 # ---------------------------------------------------------------- malformed files and paths, every command
