@@ -10,12 +10,12 @@ __version__ = "0.1.0"
 # load CUDA" traceback before falling back to the CPU, and loading the plugin prints absl lines
 # from C++ ("Could not find cuda drivers on your machine") four times per process, which would
 # bury the one `error:` line a bad input gets. Without an NVIDIA driver there is no GPU to find,
-# so ask for the CPU directly (unless JAX_PLATFORMS says otherwise), and import JAX and load its
-# plugins now with exactly those lines filtered out of file descriptor 2 (the C++ side writes
-# there directly). A real GPU host (driver present) is not affected.
+# so ask for the CPU directly (unless JAX_PLATFORMS says otherwise), and have the process's first
+# `import jax` run with exactly those lines filtered out of file descriptor 2, where the C++ side
+# writes (jaxgpt/_quiet.py). A real GPU host (driver present) is not affected.
 if (not _os.path.exists("/proc/driver/nvidia/version")
         and _util.find_spec("jax_plugins") is not None and _util.find_spec("jax_plugins.xla_cuda12") is not None):
     _os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxgpt._quiet import load_jax_without_plugin_noise as _load
+    from jaxgpt import _quiet
 
-    _load()
+    _quiet.install()
