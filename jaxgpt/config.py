@@ -383,6 +383,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError(f"the ep axis ({sizes['ep']}) does not divide model.moe_experts={m.moe_experts}")
         if m.n_layer % m.moe_every:
             raise UserError(f"model.moe_every={m.moe_every} does not divide model.n_layer={m.n_layer}")
+        if cfg.checkpoint.init_from_hf:
+            raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
+                            "set model.moe_experts=0 or drop init_from_hf")
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by the tp axis ({sizes['tp']})")

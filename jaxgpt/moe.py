@@ -66,11 +66,24 @@ def capacity(top_k: int, group_size: int, n_experts: int, factor: float) -> int:
     return max(1, min(group_size, math.ceil(top_k * group_size * factor / n_experts)))
 
 
+def _top_k(probs_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` as k argmax passes (k is small): XLA partitions a reduction over E along the
+    groups, while it all-gathers top_k's operand over ep inside the train step's dp shard_map."""
+    values, indices = [], []
+    for _ in range(k):
+        index_GS = jnp.argmax(probs_GSE, axis=-1)
+        is_max_GSE = jnp.arange(probs_GSE.shape[-1]) == index_GS[..., None]
+        values.append(jnp.sum(jnp.where(is_max_GSE, probs_GSE, 0.0), axis=-1))
+        indices.append(index_GS)
+        probs_GSE = jnp.where(is_max_GSE, -jnp.inf, probs_GSE)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
 def route(logits_GSE: jax.Array, top_k: int, slots: int) -> tuple[jax.Array, jax.Array, MoEStats]:
     """fp32 router logits -> (dispatch_GSEC in {0, 1}, combine_GSEC router weights, stats)."""
     G, S, E = logits_GSE.shape
     probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
-    weight_GSK, expert_GSK = jax.lax.top_k(probs_GSE, top_k)
+    weight_GSK, expert_GSK = _top_k(probs_GSE, top_k)
     weight_GSK = weight_GSK / jnp.sum(weight_GSK, axis=-1, keepdims=True)
     # choice-major priority: all first choices, then all second choices, ...
     chosen_GKSE = jax.nn.one_hot(expert_GSK.swapaxes(1, 2), E, dtype=jnp.int32)
