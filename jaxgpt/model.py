@@ -215,14 +215,12 @@ class MoEGroup(nnx.Module):
     last. An MoE model stacks G = n_layer / N of these and scans over them (GPT docstring)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.dense = None
-        if cfg.moe_every > 1:
-            @nnx.split_rngs(splits=cfg.moe_every - 1)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make_dense(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs)
+        @nnx.split_rngs(splits=cfg.moe_every - 1)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_dense(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
 
-            self.dense = make_dense(rngs)
+        self.dense = make_dense(rngs) if cfg.moe_every > 1 else None  # one assignment: NNX fixes its kind
         self.moe = Block(cfg, rngs, moe=True)
 
     def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None):
