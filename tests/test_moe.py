@@ -23,7 +23,7 @@ from jaxgpt.mesh import make_mesh, named
 from jaxgpt.model import GPT, param_count
 from jaxgpt.moe import capacity, route
 from jaxgpt.sample import generate
-from jaxgpt.step import abstract_state, init_state, make_setup, make_train_step
+from jaxgpt.step import abstract_model, abstract_state, init_state, make_setup, make_train_step
 from jaxgpt.train import train
 
 E, K = 8, 2
@@ -170,8 +170,7 @@ def test_step_moves_tokens_with_all_to_all(ep_state):
 
 
 def test_checkpoint_moves_between_ep_layouts(ep_run):
-    """Saved under dp=2 x ep=4, restored under ep=2 x tp=2 (4 devices) equal and resharded, and
-    training continues there."""
+    """Saved under dp=2 x ep=4, restored under ep=2 x tp=2 (4 devices): equal, and resharded."""
     layout = "ep=2,tp=2"
     cfg = tiny_config(*MOE, mesh=layout)
     mesh = make_mesh(validate(cfg, 4), _devices(layout))
@@ -192,8 +191,6 @@ def test_checkpoint_moves_between_ep_layouts(ep_run):
                         jax.tree.leaves(setup.shardings)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.is_equivalent_to(sh, a.ndim)
-    train(tiny_config("train.steps=6", "checkpoint.every=5", *MOE, mesh=layout), ep_run, devices=_devices(layout))
-    assert [r["step"] for r in read_metrics(ep_run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def test_moe_every_groups_dense_and_moe_blocks():
@@ -212,19 +209,23 @@ def test_moe_every_groups_dense_and_moe_blocks():
 
 def test_cached_sampling_matches_full_recomputation():
     """Sampling routes with no capacity limit; with C = S the full pass drops nothing either, so
-    decoding token by token with the KV cache gives the tokens of re-running the whole sequence."""
-    cfg = tiny_config("model.n_layer=4", "model.moe_every=2", *MOE)
-    graphdef, params = nnx.split(GPT(cfg.model, nnx.Rngs(0)))
-    params = nnx.to_pure_dict(params)
-    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(params))))
-    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(keys), p.shape), params)
+    the tokens decoded one by one with the KV cache are the full pass's argmax at every position
+    (one full pass over prompt + generated tokens: causal, so each position sees only its prefix)."""
+    cfg = tiny_config("model.moe_every=2", *MOE)  # 2 layers: one group of a dense and an MoE block
+    graphdef = abstract_model(cfg)[0]
+
+    @jax.jit
+    def random_params():  # weights far from init, so the argmax is not a near-tie everywhere
+        params = nnx.to_pure_dict(nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)[1])
+        keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(params))))
+        return jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(keys), p.shape), params)
+
+    params = random_params()
     prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (2, 5), 0, 50257), np.int32)
-    cached = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 8, temperature=0)), axis=1)
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
-    seq = prompt_BT
-    for _ in range(8):
-        seq = np.concatenate([seq, np.asarray(jnp.argmax(forward(params, seq)[:, -1], -1))[:, None]], axis=1)
-    np.testing.assert_array_equal(cached, seq[:, 5:])
+    cached_BN = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 6, temperature=0)), axis=1)
+    seq_BT = np.concatenate([prompt_BT, cached_BN[:, :-1]], axis=1)
+    logits_BTV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, seq_BT)
+    np.testing.assert_array_equal(cached_BN, np.asarray(jnp.argmax(logits_BTV[:, 4:], -1)))
 
 
 def test_hf_export_refuses_moe_in_one_line(ep_run, tmp_path):
