@@ -70,7 +70,7 @@ def test_events_and_report(first_run):
     events = _events(first_run)
     assert [e["event"] for e in events] == ["start", "end"]
     start = events[0]
-    assert start["step"] == 0 and start["mesh"] == {"dp": 8, "fsdp": 1, "tp": 1} and start["devices"] == 8
+    assert start["step"] == 0 and start["mesh"] == {"dp": 8, "fsdp": 1, "ep": 1, "tp": 1} and start["devices"] == 8
     assert start["process_count"] == 1 and start["device_kind"] and start["time"] <= events[1]["time"]
     assert events[1]["step"] == 4
 
