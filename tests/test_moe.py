@@ -21,6 +21,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.model import GPT, param_count
+from jaxgpt.plan import expert_bytes
 from jaxgpt.moe import capacity, route
 from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model, abstract_state, init_state, make_setup, make_train_step
@@ -152,6 +153,8 @@ def test_each_device_holds_one_ep_th_of_the_experts_and_their_moments(ep_state):
             for shard in x.addressable_shards:
                 assert shard.data.shape == (x.shape[0], E // 4, *x.shape[2:]), name
                 assert shard.data.size == x.size // 4
+    # jaxgpt.plan's expert line: a quarter of the fp32 expert weights per device
+    assert expert_bytes(state.params) == 4 * sum(experts[n].size for n in EXPERT_LEAVES) // 4
     # the router scores every expert on every device
     assert state.params["groups"]["moe"]["mlp"]["router_kernel"].sharding.is_fully_replicated
 
