@@ -116,7 +116,13 @@ def abstract_state(cfg: Config, setup: Setup) -> TrainState:
 
 
 def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
-            dtype: jnp.dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
+            dtype: jnp.dtype) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of windows [B, T+1], the head applied a chunk at a time."""
+    return objective_fn(params, graphdef, batch_BT1, cfg, dtype)[1]["loss"]
+
+
+def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
+                 dtype: jnp.dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(objective, metrics) of windows [B, T+1]. The objective is the mean next-token cross-entropy
     (fp32, the head applied a chunk at a time), plus for an MoE model the weighted load-balancing
     and router z-losses; metrics['loss'] is the cross-entropy alone (comparable with val_loss and
@@ -137,7 +143,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
     moe_* metrics), the state donated."""
     A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
-    grad_fn = jax.grad(loss_fn, has_aux=True)  # w.r.t. params; the aux output is the metrics
+    grad_fn = jax.grad(objective_fn, has_aux=True)  # w.r.t. params; the aux output is the metrics
 
     def metrics_and_grads(params, batch_BT1):
         grads, metrics = grad_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
@@ -190,6 +196,6 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     """jit(params, batch [B, T+1]) -> mean cross-entropy (no MoE auxiliary losses)."""
     dtype = compute_dtype(cfg.model.dtype)
-    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, cfg.model, dtype)[1]["loss"],
+    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, cfg.model, dtype),
                    in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
                    out_shardings=NamedSharding(mesh, P()))
