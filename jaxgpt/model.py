@@ -204,10 +204,9 @@ class Block(nnx.Module):
         else:
             y_BTD = self.mlp(self.ln_2(x_BTD))
         x_BTD = shard(x_BTD + y_BTD, "batch", "seq", "act_embed")
-        out = (x_BTD,) if kv is None else (x_BTD, kv)
-        if stats is not None:
-            return (*out, stats)
-        return out[0] if kv is None else out
+        if stats is None:
+            return x_BTD if kv is None else (x_BTD, kv)
+        return (x_BTD, stats) if kv is None else (x_BTD, kv, stats)
 
 
 class MoEGroup(nnx.Module):
