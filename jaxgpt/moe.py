@@ -26,9 +26,11 @@ lowered densely on XLA:GPU in JAX 0.10, and einsums are what GSPMD partitions we
 Collectives (read from the compiled step, asserted by tests/test_moe.py). Outside the MoE
 layer the groups G are split over (dp, fsdp, ep) (`batch`); the expert tensors are split E over
 ep and G over (dp, fsdp) (`experts`, `expert_batch`). Moving ep from G to E is an all-to-all over
-ep, so XLA inserts one all-to-all after the dispatch einsum and one before the combine einsum in
-the forward pass, and the same two in the backward pass (the transposes), each of [E, G, C, D]
-per device. The router, the gating and the capacity cumsum are local to a group, so they talk
+ep, and XLA:CPU's compiled step (dp=2 x ep=4) holds, per MoE block, two all-to-alls forward
+(the dispatched tokens to the experts, the expert outputs back) and three backward: the two
+transposes, plus the expert outputs moved to the groups once more for the gradient of the
+combine weights (the router's gradient; XLA keeps the expert-side tensor as the residual). Each
+moves the [E, G, C, D] tokens one device holds, C*E/(K*S) ~ capacity_factor times its tokens. The router, the gating and the capacity cumsum are local to a group, so they talk
 to nobody. The expert weights are never gathered over ep (each device holds E/ep whole
 experts, and their AdamW moments likewise); under fsdp their `embed` dimension is gathered like
 any weight, under tp their F is split Megatron-style (one all-reduce after the second matmul).

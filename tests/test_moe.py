@@ -165,15 +165,16 @@ def test_each_device_holds_one_ep_th_of_the_experts_and_their_moments(ep_state):
 
 def test_step_moves_tokens_with_all_to_all(ep_state):
     """GSPMD turns the dispatch and combine einsums, which move the ep split from the token groups
-    to the experts and back, into all-to-alls inside the layer loops, forward and backward."""
+    to the experts and back, into all-to-alls inside the layer loops: 2 forward, 3 backward
+    (jaxgpt/moe.py). Nothing gathers the expert weights over ep."""
     cfg, mesh, setup, state = ep_state
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
     with jax.set_mesh(mesh):
         hlo = make_train_step(cfg, mesh, setup).lower(state, batch).compile().as_text()
-    bodies = [b for b in layer_loops(hlo) if collectives(b)["all-to-all"]]
-    assert len(bodies) >= 2, "forward and backward layer loops should each hold all-to-alls"
-    assert all(collectives(b)["all-to-all"] >= 2 for b in bodies)  # dispatch and combine
+    counts = sorted(collectives(b)["all-to-all"] for b in layer_loops(hlo))
+    assert counts == [2, 3], counts  # the forward and the backward layer loop
+    assert all(collectives(b)["all-gather"] == 0 for b in layer_loops(hlo))
 
 
 def test_checkpoint_moves_between_ep_layouts(ep_run):
