@@ -220,15 +220,10 @@ def test_cached_sampling_matches_full_recomputation():
     the tokens decoded one by one with the KV cache are the full pass's argmax at every position
     (one full pass over prompt + generated tokens: causal, so each position sees only its prefix)."""
     cfg = tiny_config("model.moe_every=2", *MOE)  # 2 layers: one group of a dense and an MoE block
-    graphdef = abstract_model(cfg)[0]
-
-    @jax.jit
-    def random_params():  # weights far from init, so the argmax is not a near-tie everywhere
-        params = nnx.to_pure_dict(nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)[1])
-        keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(params))))
-        return jax.tree.map(lambda p: p + 0.3 * jax.random.normal(next(keys), p.shape), params)
-
-    params = random_params()
+    graphdef, shapes = abstract_model(cfg)
+    rng = np.random.default_rng(7)  # random weights of scale 0.3: the argmax is not a near-tie everywhere
+    params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape), jnp.float32),
+                          nnx.to_pure_dict(shapes))
     prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (2, 5), 0, 50257), np.int32)
     cached_BN = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 6, temperature=0)), axis=1)
     seq_BT = np.concatenate([prompt_BT, cached_BN[:, :-1]], axis=1)
