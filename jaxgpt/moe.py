@@ -30,10 +30,13 @@ ep, and XLA:CPU's compiled step (dp=2 x ep=4) holds, per MoE block, two all-to-a
 (the dispatched tokens to the experts, the expert outputs back) and three backward: the two
 transposes, plus the expert outputs moved to the groups once more for the gradient of the
 combine weights (the router's gradient; XLA keeps the expert-side tensor as the residual). Each
-moves the [E, G, C, D] tokens one device holds, C*E/(K*S) ~ capacity_factor times its tokens. The router, the gating and the capacity cumsum are local to a group, so they talk
-to nobody. The expert weights are never gathered over ep (each device holds E/ep whole
-experts, and their AdamW moments likewise); under fsdp their `embed` dimension is gathered like
-any weight, under tp their F is split Megatron-style (one all-reduce after the second matmul).
+moves the [E, G, C, D] slots one device holds: about K * capacity_factor times its [G, S, D]
+tokens. The router, the gating and the capacity cumsum are local to a group, so they talk to
+nobody. The expert weights are never gathered over ep (each device holds E/ep whole experts,
+and their AdamW moments likewise); under fsdp their `embed` dimension is gathered like any
+weight, under tp their F is split Megatron-style (one all-reduce after the second matmul).
+Outside the MoE layers, ep behaves as a batch axis; one cost seen in the HLO is that the token
+embedding's gradient (a scatter-add) all-gathers its [B, T, D] updates over ep once per step.
 
 Losses (returned per layer, averaged over layers by the model, added to the objective by
 jaxgpt/step.py with model.moe_aux_coef and model.moe_z_coef):
