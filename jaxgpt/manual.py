@@ -17,8 +17,7 @@ never from axis names written here, so axes added to the table later are split t
     - a mesh axis that no logical axis names (none today) is manual too, with the arrays replicated
       over it: each of its devices computes the same block;
     - an axis that does not divide its dimension (a batch of 1 when sampling on fsdp=8) is left
-      out of the spec, so that dimension is replicated rather than refused; so is an axis of size
-      1 (ep=1 in a dense run), which splits nothing.
+      out of the spec, so that dimension is replicated rather than refused.
 With no mesh in the context (one device, or no `jax.set_mesh`) the function is called directly.
 
 The gradient is the shard_map's transpose: the cotangents come back with the same specs, so no
@@ -42,7 +41,7 @@ def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh, man
     for size, entry in zip(shape, logical_to_spec(logical_axes), strict=True):
         kept, ways = [], 1
         for axis in (entry,) if isinstance(entry, str) else entry or ():
-            if axis in manual or mesh.shape[axis] == 1 or size % (ways * mesh.shape[axis]):
+            if axis in manual or size % (ways * mesh.shape[axis]):
                 continue
             kept.append(axis)
             ways *= mesh.shape[axis]
