@@ -91,6 +91,18 @@ class ModelConfig:
     loss_chunk: int = _f(0, "positions per chunk of the fused head + cross-entropy: only [batch, chunk, vocab] "
                          "logits exist at a time; must divide seq_len; 0 = auto (512 rows per device on CPU, "
                          "8192 on GPU)", range=NONNEGATIVE)
+    moe_experts: int = _f(0, "experts E per Mixture-of-Experts block (0 = dense MLPs); parameter counts in the log "
+                          "and MFU count the active parameters (moe_top_k of the E experts per token)",
+                          range=NONNEGATIVE)
+    moe_top_k: int = _f(2, "experts each token is routed to (at most moe_experts)", range=POSITIVE)
+    moe_every: int = _f(1, "every Nth block is MoE (blocks N, 2N, ...); must divide n_layer", range=POSITIVE)
+    moe_capacity_factor: float = _f(1.25, "expert capacity per sequence: ceil(top_k x seq_len x factor / experts) "
+                                    "token slots; assignments beyond it are dropped (logged as moe_dropped)",
+                                    range=POSITIVE)
+    moe_aux_coef: float = _f(0.01, "weight of the Switch load-balancing loss in the training objective",
+                             range=NONNEGATIVE)
+    moe_z_coef: float = _f(0.001, "weight of the router z-loss (mean squared logsumexp of router logits)",
+                           range=NONNEGATIVE)
 
     @property
     def padded_vocab(self) -> int:
@@ -139,10 +151,12 @@ class MeshConfig:
     dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave", range=MESH_AXIS)
     fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above",
                    range=MESH_AXIS)
+    ep: int = _f(1, "expert-parallel axis size: MoE experts split over it, and the batch elsewhere; -1 as above",
+                 range=MESH_AXIS)
     tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above", range=MESH_AXIS)
     allow_tp_across_hosts: bool = _f(False, "permit a tp axis that spans processes (slow: tp talks in every layer)")
 
-    AXES = ("dp", "fsdp", "tp")
+    AXES = ("dp", "fsdp", "ep", "tp")  # the mesh's order: tp varies fastest, then ep
 
 
 @dataclass(frozen=True)
@@ -312,7 +326,7 @@ def load_config(config: str | None = None, overrides: list[str] = (), mesh: str 
 
 
 def parse_mesh(spec: str) -> dict[str, str]:
-    """'dp=2,tp=4' -> {'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.tp': '4'}: axes not named are 1."""
+    """'dp=2,tp=4' -> {'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.ep': '1', 'mesh.tp': '4'}: axes not named are 1."""
     axes = list(MeshConfig.AXES)
     out = {f"mesh.{a}": "1" for a in axes}
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -358,10 +372,21 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.grad_accum={t.grad_accum} does not divide train.batch_size={t.batch_size}")
-    micro, batch_ways = t.batch_size // t.grad_accum, sizes["dp"] * sizes["fsdp"]
+    micro, batch_ways = t.batch_size // t.grad_accum, sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     if micro % batch_ways:
         raise UserError(f"the micro-batch of {micro} sequences (train.batch_size / train.grad_accum) "
-                        f"does not split over dp x fsdp = {batch_ways} devices")
+                        f"does not split over dp x fsdp x ep = {batch_ways} devices")
+    if m.moe_experts:
+        if m.moe_top_k > m.moe_experts:
+            raise UserError(f"model.moe_top_k={m.moe_top_k} exceeds model.moe_experts={m.moe_experts}")
+        if m.moe_experts % sizes["ep"]:
+            raise UserError(f"the ep axis ({sizes['ep']}) does not divide model.moe_experts={m.moe_experts}")
+        if m.n_layer % m.moe_every:
+            raise UserError(f"model.moe_every={m.moe_every} does not divide model.n_layer={m.n_layer}")
+        if cfg.checkpoint.init_from_hf:
+            raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
+                            "set model.moe_experts=0 or drop init_from_hf")
+    # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by the tp axis ({sizes['tp']})")
     if m.padded_vocab % sizes["tp"] or (4 * m.n_embd) % sizes["tp"]:

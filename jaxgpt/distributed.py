@@ -23,8 +23,8 @@ JAXGPT_RESTART_REASON ("process 1 exited with code 137 (killed by SIGKILL)"); `r
 reads them, and train.py records a `restart` event before the session's `start`.
 
 Device order and the mesh: devices are ordered by (process, local id) before being reshaped into
-(dp, fsdp, tp), so tp, the fastest-varying axis, takes neighbouring devices of one process, while
-dp and fsdp step across processes. Tensor parallelism, which talks inside every layer, thus stays
+(dp, fsdp, ep, tp), so tp, the fastest-varying axis, takes neighbouring devices of one process,
+then ep (whose all-to-alls also run in every MoE layer), while dp and fsdp step across processes. Tensor parallelism, which talks inside every layer, thus stays
 on one host's fast links (NVLink), and the slower network between hosts carries only the dp/fsdp
 traffic. `mesh_layout_error` refuses a tp that would span processes unless the user insists.
 """

@@ -227,7 +227,7 @@ def _config_from_dict(d: dict[str, Any]) -> Config:
 
 
 def _one_device_mesh():
-    return make_mesh({"dp": 1, "fsdp": 1, "tp": 1}, jax.devices()[:1])
+    return make_mesh({}, jax.devices()[:1])  # every axis 1
 
 
 def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None = None) -> tuple[dict, Config, int]:
@@ -260,10 +260,17 @@ def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None
 EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *hf_tokenizer.FILES)
 
 
+def refuse_moe(cfg: Config) -> None:
+    """GPT-2 has no Mixture-of-Experts layers: an MoE model has no Hugging Face GPT-2 form."""
+    if cfg.model.moe_experts:
+        raise UserError(f"this is a Mixture-of-Experts model (model.moe_experts={cfg.model.moe_experts}); "
+                        f"Hugging Face GPT-2 has no experts, so only dense models (moe_experts=0) convert")
+
+
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
     out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
-    params, cfg, step = restore_params(run_dir_or_ckpt)
+    params, cfg, step = restore_params(run_dir_or_ckpt, check=refuse_moe)
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files without a "format" entry in their metadata.
     save_file(to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
@@ -293,6 +300,7 @@ def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None, overrides
     hf_cfg, tensors = _read_dir(hf_dir)
     implied = [f"{key}={value}" for key, value in model_overrides(hf_cfg).items()]
     cfg = load_config(config, [*implied, *overrides])
+    refuse_moe(cfg)
     _check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
     params = from_hf(tensors, cfg.model)
     mesh = _one_device_mesh()

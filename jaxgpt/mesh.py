@@ -6,8 +6,15 @@ Mesh axes
     fsdp  ZeRO-3: the batch is split *and* every parameter (so its gradient and its AdamW moments)
           is split along its `embed` dimension; XLA all-gathers a weight just before use and
           reduce-scatters its gradient.
+    ep    expert parallelism: the experts of a Mixture-of-Experts block (`experts`) are split, each
+          device holding E/ep whole experts; everywhere else ep splits the batch like dp, so no
+          device idles outside the MoE layers (jaxgpt/moe.py: how tokens reach their experts).
+          With a dense model ep is just one more batch axis.
     tp    Megatron tensor parallelism: attention heads, the MLP hidden units and the vocabulary are
           split, so QKV / MLP-in are column-parallel and attention-out / MLP-out row-parallel.
+
+The device order is (dp, fsdp, ep, tp): tp varies fastest, then ep, so the two axes that talk
+inside every layer (tp's all-reduces, ep's all-to-alls) take neighbouring devices.
 
 Auto, not Explicit, axes
 ------------------------
@@ -23,6 +30,8 @@ The table
 Parameters and activations carry *logical* axis names; `RULES` maps each to mesh axes. Parameter
 names and activation names differ on purpose: a parameter's `embed` dimension is split over fsdp
 (ZeRO-3) while an activation's batch dimension already uses fsdp, so its `act_embed` stays whole.
+Likewise tokens sorted to their experts ([E, G, C, D] in moe.py) are split over ep by `experts`,
+so their groups use `expert_batch`, the batch axes without ep.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import MeshConfig
 
-MESH_AXES = MeshConfig.AXES  # ("dp", "fsdp", "tp")
+MESH_AXES = MeshConfig.AXES  # ("dp", "fsdp", "ep", "tp")
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -47,8 +56,11 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "qkv": None,            # the 3 of q, k, v
     "head_dim": None,
     "layers": None,         # the stacked-layers axis of the scanned blocks
+    "experts": "ep",        # the E experts of an MoE block (their weights, and tokens sorted to them)
+    "router": None,         # the router's E outputs: every device scores every expert
     # activations
-    "batch": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp", "ep"),
+    "expert_batch": ("dp", "fsdp"),  # token groups once sorted to their experts (ep is on `experts`)
     "seq": None,
     "act_embed": None,
     "act_heads": "tp",
@@ -58,7 +70,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 
 
 def logical_to_spec(axes: Sequence[str | None]) -> P:
-    """('batch', 'seq', 'act_embed') -> P(('dp', 'fsdp'), None, None), refusing double use of an axis."""
+    """('batch', 'seq', 'act_embed') -> P(('dp', 'fsdp', 'ep'), None, None), refusing double use of an axis."""
     used: dict[str, str] = {}
     spec = []
     for name in axes:
@@ -72,8 +84,8 @@ def logical_to_spec(axes: Sequence[str | None]) -> P:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A dp x fsdp x tp mesh of Auto axes (see the module docstring)."""
-    shape = tuple(sizes[a] for a in MESH_AXES)
+    """A dp x fsdp x ep x tp mesh of Auto axes (see the module docstring); axes missing from `sizes` are 1."""
+    shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if devices is None:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

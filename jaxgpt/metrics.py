@@ -3,11 +3,14 @@
 FLOPs per token follow the PaLM/nanoGPT count: 6N for the matmuls of forward and backward (N the
 parameters touched per token: everything but the position embedding, the tied output head
 included once) plus 12 * L * T * D for the attention scores and the weighted sum
-(QK^T and AV, forward and backward, causal masking not discounted). MFU is achieved FLOP/s over the
+(QK^T and AV, forward and backward, causal masking not discounted). For an MoE model N counts the
+*active* parameters: the router and moe_top_k of the E experts per MoE block (the one-hot dispatch
+and combine einsums are not counted). MFU is achieved FLOP/s over the
 accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown (CPUs).
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
-tokens_per_sec, mfu; evaluation lines carry step and val_loss. Other tools (and `jaxgpt.report`)
+tokens_per_sec, mfu, and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
+the cross-entropy alone; jaxgpt/moe.py); evaluation lines carry step and val_loss. Other tools (and `jaxgpt.report`)
 read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
 records by `tracking.Tracker`.
@@ -35,7 +38,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    n = param_count(cfg, include_position=False)
+    n = param_count(cfg, include_position=False, active=True)  # MoE: the top-k experts a token uses
     return 6 * n + 12 * cfg.n_layer * cfg.seq_len * cfg.n_embd
 
 
@@ -86,7 +89,9 @@ def format_record(r: dict[str, Any]) -> str:
     mfu_s = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
     rate = f"{r['tokens_per_sec']:,.0f}" if r.get("tokens_per_sec") is not None else "(compiling)"
     return (f"step {r['step']:>6} | loss {num('loss', '.4f')} | lr {num('lr', '.2e')} | grad_norm "
-            f"{num('grad_norm', '.3f')} | {rate} tok/s | mfu {mfu_s}")
+            f"{num('grad_norm', '.3f')} | {rate} tok/s | mfu {mfu_s}"
+            + (f" | moe aux {num('moe_aux_loss', '.3f')} z {num('moe_z_loss', '.3f')} dropped "
+               f"{num('moe_dropped', '.1%')}" if "moe_aux_loss" in r else ""))
 
 
 class Throughput:

@@ -19,6 +19,13 @@ shard holds q, k and v of its own heads); a flat [D, 3D] split by columns would 
 all of q. Blocks are created with `nnx.vmap` and run with `nnx.scan`, so the compiled program
 holds one block however deep the model is.
 
+Mixture of Experts (model.moe_experts = E > 0, jaxgpt/moe.py). Every model.moe_every-th block
+(N) replaces its MLP by E experts and a router. So that the program still holds one scanned block
+per kind, an MoE model stacks n_layer / N groups (`groups`, an `MoEGroup` each: N-1 dense blocks
+stacked under `dense` and one MoE block `moe`) and scans over the groups, the dense blocks of a
+group by an inner scan. A dense model (E = 0) keeps `blocks` exactly as above, so its parameter
+tree, checkpoints and Hugging Face export are unchanged; an MoE model has no GPT-2 counterpart.
+
 Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_einsum`;
 `model.remat` recomputes each block's activations in the backward pass under a
 `jax.checkpoint` policy (memory for FLOPs); `model.attention` picks the kernel (attention.py).
@@ -47,6 +54,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.fp8 import fp8_einsum
 from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import shard
+from jaxgpt.moe import MoEStats, moe_mlp
 
 STD = 0.02
 
@@ -156,22 +164,85 @@ class MLP(nnx.Module):
         return self.einsum("btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt)) + self.c_proj_bias[...].astype(dt)
 
 
-class Block(nnx.Module):
+class MoE(nnx.Module):
+    """E expert MLPs behind a top-k router (jaxgpt/moe.py); the experts' weights carry `experts`."""
+
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F, E = cfg.n_embd, 4 * cfg.n_embd, cfg.moe_experts
+        self.cfg = cfg
+        self.router_kernel = _param(rngs, (D, E), ("embed", "router"), STD)
+        self.c_fc_kernel = _param(rngs, (E, D, F), ("experts", "embed", "mlp"), STD)
+        self.c_fc_bias = _param(rngs, (E, F), ("experts", "mlp"), None)
+        self.c_proj_kernel = _param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
+        self.c_proj_bias = _param(rngs, (E, D), ("experts", "embed"), None)
+        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
+
+    def __call__(self, x_BTD: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEStats]:
+        return moe_mlp(x_BTD, self.router_kernel[...], self.c_fc_kernel[...], self.c_fc_bias[...],
+                       self.c_proj_kernel[...], self.c_proj_bias[...], top_k=self.cfg.moe_top_k,
+                       capacity_factor=self.cfg.moe_capacity_factor, drop=drop, einsum=self.einsum)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
         self.ln_1 = LayerNorm(cfg.n_embd, rngs)
         self.attn = Attention(cfg, rngs)
         self.ln_2 = LayerNorm(cfg.n_embd, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+        """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
+        or (x, kv, stats)."""
         if kv is None:
             x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
         else:
             y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos)
             x_BTD = x_BTD + y_BTD
-        x_BTD = x_BTD + self.mlp(self.ln_2(x_BTD))
-        x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
-        return x_BTD if kv is None else (x_BTD, kv)
+        stats = None
+        if isinstance(self.mlp, MoE):
+            y_BTD, stats = self.mlp(self.ln_2(x_BTD), drop=kv is None)
+        else:
+            y_BTD = self.mlp(self.ln_2(x_BTD))
+        x_BTD = shard(x_BTD + y_BTD, "batch", "seq", "act_embed")
+        if stats is None:
+            return x_BTD if kv is None else (x_BTD, kv)
+        return (x_BTD, stats) if kv is None else (x_BTD, kv, stats)
+
+
+class MoEGroup(nnx.Module):
+    """model.moe_every = N consecutive blocks: N-1 dense ones (stacked, scanned) and an MoE block
+    last. An MoE model stacks G = n_layer / N of these and scans over them (GPT docstring)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=cfg.moe_every - 1)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_dense(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.dense = make_dense(rngs) if cfg.moe_every > 1 else None  # one assignment: NNX fixes its kind
+        self.moe = Block(cfg, rngs, moe=True)
+
+    def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None):
+        """Training: (x, MoEStats). Decoding (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
+        if kv is None:
+            if self.dense is not None:
+                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+                def run_dense(x_BTD: jax.Array, block: Block) -> jax.Array:
+                    return apply_block(block, x_BTD)
+
+                x_BTD = run_dense(x_BTD, self.dense)
+            return apply_block(self.moe, x_BTD)
+        parts = []
+        if self.dense is not None:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def run_dense_cached(x_BTD: jax.Array, block: Block, kv: KV):
+                return block(x_BTD, kv, pos)
+
+            x_BTD, dense_kv = run_dense_cached(x_BTD, self.dense, KV(kv.k[:-1], kv.v[:-1]))
+            parts.append(dense_kv)
+        x_BTD, moe_kv, stats = self.moe(x_BTD, KV(kv.k[-1], kv.v[-1]), pos)
+        parts.append(KV(moe_kv.k[None], moe_kv.v[None]))
+        return x_BTD, KV(*(jnp.concatenate(p, axis=0) for p in zip(*parts))), stats
 
 
 class GPT(nnx.Module):
@@ -180,20 +251,29 @@ class GPT(nnx.Module):
         self.wte = _param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
         self.wpe = _param(rngs, (cfg.seq_len, cfg.n_embd), ("pos", "embed"), STD)
 
-        @nnx.split_rngs(splits=cfg.n_layer)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        if cfg.moe_experts:
+            @nnx.split_rngs(splits=cfg.n_layer // cfg.moe_every)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_groups(rngs: nnx.Rngs) -> MoEGroup:
+                return MoEGroup(cfg, rngs)
 
-        self.blocks = make_blocks(rngs)
+            self.groups = make_groups(rngs)
+        else:
+            @nnx.split_rngs(splits=cfg.n_layer)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
+
+            self.blocks = make_blocks(rngs)
         self.ln_f = LayerNorm(cfg.n_embd, rngs)
 
     def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, cache: KVCache | None = None,
-                 features_only: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
+                 features_only: bool = False, with_moe_stats: bool = False):
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
         With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns.
         `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
-        (jaxgpt/loss.py), which applies the head a chunk at a time."""
+        (jaxgpt/loss.py), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
+        models): (output, MoEStats averaged over the MoE blocks)."""
         T = tokens_BT.shape[1]
         pos = 0 if cache is None else cache.pos
         # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
@@ -202,11 +282,14 @@ class GPT(nnx.Module):
         x_BTD = (wte_VD[tokens_BT] + wpe_TD).astype(dtype)
         x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
         if cache is not None:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
-            def run_cached(x_BTD: jax.Array, block: Block, kv: KV):
-                return block(x_BTD, kv, cache.pos)
+            if self.cfg.moe_experts:
+                x_BTD, kv = self._run_groups_cached(x_BTD, KV(cache.k, cache.v), cache.pos)
+            else:
+                @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+                def run_cached(x_BTD: jax.Array, block: Block, kv: KV):
+                    return block(x_BTD, kv, cache.pos)
 
-            x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
+                x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
             return self._logits(x_BTD, dtype), KVCache(kv.k, kv.v, cache.pos + T)
 
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
@@ -217,12 +300,37 @@ class GPT(nnx.Module):
         if self.cfg.remat != "none":
             apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
-            return apply_block(block, x_BTD)
+        stats = None
+        if self.cfg.moe_experts:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def run_groups(x_BTD: jax.Array, group: MoEGroup):
+                return group(x_BTD, apply_block)
 
-        x_BTD = run_blocks(x_BTD, self.blocks)
-        return self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
+            x_BTD, stats_G = run_groups(x_BTD, self.groups)
+            stats = MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
+        else:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
+                return apply_block(block, x_BTD)
+
+            x_BTD = run_blocks(x_BTD, self.blocks)
+        out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
+        if with_moe_stats:
+            zero = jnp.zeros((), jnp.float32)
+            return out, MoEStats(zero, zero, zero) if stats is None else stats
+        return out
+
+    def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
+        """The cached pass of an MoE model: the [L, ...] cache viewed as [G, N, ...] groups of blocks."""
+        G, N = self.cfg.n_layer // self.cfg.moe_every, self.cfg.moe_every
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        def run_cached(x_BTD: jax.Array, group: MoEGroup, kv: KV):
+            x_BTD, kv, _ = group(x_BTD, None, kv, pos)
+            return x_BTD, kv
+
+        x_BTD, kv = run_cached(x_BTD, self.groups, KV(*(a.reshape(G, N, *a.shape[1:]) for a in kv)))
+        return x_BTD, KV(*(a.reshape(G * N, *a.shape[2:]) for a in kv))
 
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
         return head_logits(self.ln_f(x_BTD), self.wte[...], self.cfg.vocab_size, dtype)
@@ -237,8 +345,13 @@ def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp
     return jnp.where(is_real_V, logits_BTV, -jnp.inf)
 
 
-def param_count(cfg: ModelConfig, include_position: bool = True) -> int:
-    """Parameters of the model (padded vocabulary included), computed without building it."""
+def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = False) -> int:
+    """Parameters of the model (padded vocabulary included), computed without building it.
+    `active`: an MoE block counts only the moe_top_k experts a token passes through (and its router)."""
     D, F, L = cfg.n_embd, 4 * cfg.n_embd, cfg.n_layer
-    per_block = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + (D * F + F) + (F * D + D)
-    return cfg.padded_vocab * D + (cfg.seq_len * D if include_position else 0) + L * per_block + 2 * D
+    mlp = (D * F + F) + (F * D + D)
+    per_block = 2 * 2 * D + (3 * D * D + 3 * D) + (D * D + D) + mlp
+    moe_blocks = L // cfg.moe_every if cfg.moe_experts else 0
+    experts = cfg.moe_top_k if active else cfg.moe_experts
+    moe_extra = moe_blocks * (D * cfg.moe_experts + (experts - 1) * mlp)  # router, and experts beyond one MLP
+    return cfg.padded_vocab * D + (cfg.seq_len * D if include_position else 0) + L * per_block + 2 * D + moe_extra

@@ -4,7 +4,8 @@ Will this config and layout fit, and how much will it talk? The train step is co
 time for the mesh, from shapes alone (`jax.eval_shape`: nothing is allocated and nothing trains),
 and the plan reports per device:
 
-    parameters, gradients, optimizer state   from the state's shapes and shardings (exact)
+    parameters, gradients, optimizer state   from the state's shapes and shardings (exact), with
+                                             an MoE model's expert weights on their own line
     arguments, outputs, temporaries, code    from XLA's memory analysis of the compiled step
     collectives per step                     from the compiled HLO (jaxgpt.hlo), and the time
                                              their ring traffic takes on common links
@@ -63,6 +64,12 @@ def per_device_bytes(tree) -> int:
     import jax
     import numpy as np
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def expert_bytes(params) -> int:
+    """Bytes one device holds of the MoE experts' weights (E/ep experts each; 0 for a dense model)."""
+    mlp = params.get("groups", {}).get("moe", {}).get("mlp", {})
+    return per_device_bytes({k: v for k, v in mlp.items() if k != "router_kernel"})
 
 
 def memory_analysis(compiled) -> dict[str, int]:
@@ -157,7 +164,8 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
         "mesh": sizes, "devices": len(devices), "platform": devices[0].platform,
         "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(dtype).name,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
-        "state_bytes": {"parameters": params, "gradients": params,  # fp32, sharded like the parameters
+        "state_bytes": {"parameters": params, "experts": expert_bytes(state.params),
+                        "gradients": params,  # fp32, sharded like the parameters
                         "optimizer_state": per_device_bytes(state.opt_state), "batch": per_device_bytes(batch)},
         "memory": memory,
         "collectives": collective_summary(text, len(devices)),
@@ -193,7 +201,10 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     lines += [f"parameters: {p['parameters']:,} ({p['parameters'] / 1e6:.1f}M)", "",
               f"{'per device':<44}{'MiB':>12}"]
     s, mem = p["state_bytes"], p["memory"]
-    rows = [("parameters (fp32)", s["parameters"]), ("gradients (fp32, as the parameters)", s["gradients"]),
+    rows = [("parameters (fp32)", s["parameters"])]
+    if s.get("experts"):  # its AdamW moments are twice this, inside the optimizer state
+        rows.append((f"  of which experts ({m.moe_experts // p['mesh']['ep']} of {m.moe_experts})", s["experts"]))
+    rows += [("gradients (fp32, as the parameters)", s["gradients"]),
             ("optimizer state (AdamW moments)", s["optimizer_state"]), ("batch", s["batch"]),
             ("compiled step, XLA memory analysis:", None),
             ("  arguments (state + batch)", mem["arguments"]), ("  outputs (new state + metrics)", mem["outputs"]),
@@ -210,6 +221,8 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
               f"{'kind':<20}{'count':>8}{'MiB':>12}{'wire MiB':>12}"]
     lines += [f"{k:<20}{c['count'][k]:>8}{_mib(c['bytes'][k])}{_mib(c['wire_bytes'][k])}"
               for k in hlo.COLLECTIVES if c["count"][k]] or ["(none)"]
+    if m.moe_experts and p["mesh"]["ep"] > 1:
+        lines.append("(MoE: the all-to-alls move tokens to their experts and back, jaxgpt/moe.py)")
     if c["unknown_trip_counts"]:
         lines.append(f"warning: loop trip count unreadable ({', '.join(c['unknown_trip_counts'])}): counted "
                      "once, a lower bound")
@@ -250,7 +263,8 @@ def _main(argv: Sequence[str] | None) -> None:
         "communication per device, without training.", formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=help_text())
     parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
-    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
+    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 or ep=4,dp=2 (unnamed axes are 1; "
+                        "one may be -1)")
     parser.add_argument("--fake-devices", type=int, help="plan for N CPU devices (layouts bigger than this machine)")
     parser.add_argument("--target", help="compile for GPUs this machine lacks, with XLA:GPU: h100 or h200 "
                         "(needs pip install -e \".[gpu-compile]\")")

@@ -10,7 +10,8 @@ set whose probability reaches p), then a categorical draw from the seed. tempera
 
 With one sample the text is streamed as it is generated; with several, each is printed when done.
 `--mesh` shards the parameters by the same table as training, so a model too big for one device
-samples across several; the samples themselves are small and left replicated.
+samples across several; the samples themselves are small and left replicated. An MoE model samples
+with no expert capacity limit (jaxgpt/moe.py: `drop=False`), so no token is dropped.
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ def _shard(params: dict, cfg: Config, spec: str) -> dict:
         raise UserError(f"--mesh {spec}: axis sizes must be integers") from None
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes))
     shape = mesh_shape(cfg.mesh, jax.device_count())
-    for axis, dim, name in [("tp", cfg.model.n_head, "model.n_head"), ("fsdp", cfg.model.n_embd, "model.n_embd")]:
+    checks = [("tp", cfg.model.n_head, "model.n_head"), ("fsdp", cfg.model.n_embd, "model.n_embd")]
+    if cfg.model.moe_experts:  # a dense model is replicated over ep
+        checks.append(("ep", cfg.model.moe_experts, "model.moe_experts"))
+    for axis, dim, name in checks:
         if dim % shape[axis]:
             raise UserError(f"--mesh {spec}: {axis}={shape[axis]} does not divide {name}={dim}")
     return jax.device_put(params, make_setup(cfg, make_mesh(shape)).shardings.params)

@@ -45,6 +45,9 @@ from jaxgpt.model import GPT, compute_dtype
 from jaxgpt.optim import lr_schedule, make_optimizer
 
 
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
+
+
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: optimizer steps taken
     params: dict[str, Any]
@@ -64,8 +67,8 @@ def param_logical_axes(params: nnx.State) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, var in nnx.to_flat_state(params):
         axes = tuple(var.get_metadata()["logical_axes"])
-        if path[0] == "blocks":  # created under nnx.vmap: one leading axis per layer
-            axes = ("layers",) + axes
+        if path[0] in ("blocks", "groups"):  # created under nnx.vmap: a leading axis per stacking level
+            axes = ("layers",) * (var.ndim - len(axes)) + axes
         assert len(axes) == var.ndim, (path, axes, var.shape)
         node = out
         for key in path[:-1]:
@@ -115,33 +118,54 @@ def abstract_state(cfg: Config, setup: Setup) -> TrainState:
 def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
             dtype: jnp.dtype) -> jax.Array:
     """Mean next-token cross-entropy (fp32) of windows [B, T+1], the head applied a chunk at a time."""
+    return objective_fn(params, graphdef, batch_BT1, cfg, dtype)[1]["loss"]
+
+
+def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
+                 dtype: jnp.dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(objective, metrics) of windows [B, T+1]. The objective is the mean next-token cross-entropy
+    (fp32, the head applied a chunk at a time), plus for an MoE model the weighted load-balancing
+    and router z-losses; metrics['loss'] is the cross-entropy alone (comparable with val_loss and
+    dense runs), and an MoE model adds moe_aux_loss, moe_z_loss and moe_dropped (jaxgpt/moe.py)."""
     model = nnx.merge(graphdef, params)
-    x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
-    return chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
+    if not cfg.moe_experts:
+        x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
+        loss = chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
+        return loss, {"loss": loss}
+    x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
+    loss = chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
+    objective = loss + cfg.moe_aux_coef * stats.aux + cfg.moe_z_coef * stats.z
+    return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats, strict=True))}
 
 
 def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
-    """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'}), the state donated."""
+    """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'} and an MoE model's
+    moe_* metrics), the state donated."""
     A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
-    grad_fn = jax.value_and_grad(loss_fn)  # w.r.t. params
+    grad_fn = jax.grad(objective_fn, has_aux=True)  # w.r.t. params; the aux output is the metrics
 
-    def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[jax.Array, dict]:
-        """(loss, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
+    def metrics_and_grads(params, batch_BT1):
+        grads, metrics = grad_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
+        return metrics, grads
+
+    def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
+        """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (dp-varying inside the shard_map below)."""
         if A == 1:
-            return grad_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
+            return metrics_and_grads(params, batch_BT1)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
 
         def accumulate(carry, micro_BT1):
-            loss, grads = grad_fn(params, setup.graphdef, micro_BT1, cfg.model, dtype)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            return jax.tree.map(jnp.add, carry, metrics_and_grads(params, micro_BT1)), None
 
-        zeros = vary((jnp.zeros((), jnp.float32), jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))
+        names = ["loss", *(MOE_METRICS if cfg.model.moe_experts else ())]
+        zeros = vary(({k: jnp.zeros((), jnp.float32) for k in names},
+                      jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))
         return jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
 
-    def mean_grads(params: dict, batch_BT1: jax.Array) -> tuple[jax.Array, dict]:
+    def mean_grads(params: dict, batch_BT1: jax.Array) -> tuple[dict, dict]:
         if mesh.shape["dp"] == 1:
             return jax.tree.map(lambda x: x / A, summed_grads(params, batch_BT1))
 
@@ -156,11 +180,11 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
                              axis_names={"dp"})(params, batch_BT1)
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
-        loss, grads = mean_grads(state.params, batch_BT1)
+        metrics, grads = mean_grads(state.params, batch_BT1)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step)}
+        metrics = {"loss": metrics.pop("loss"), "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     batch_sh = named(mesh, ("batch", None))
@@ -170,7 +194,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
 
 
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
-    """jit(params, batch [B, T+1]) -> mean loss."""
+    """jit(params, batch [B, T+1]) -> mean cross-entropy (no MoE auxiliary losses)."""
     dtype = compute_dtype(cfg.model.dtype)
     return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, cfg.model, dtype),
                    in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),

@@ -63,7 +63,8 @@ RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "l
 RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-        "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss"}
+        "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss",
+        "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_dropped": "moe/dropped"}  # MoE only
 
 
 def require_wandb(cfg: LoggingConfig):

@@ -60,7 +60,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
         prog="python -m jaxgpt.train", description="Train a GPT on the devices this process sees.",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=help_text())
     parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
-    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 (unnamed axes are 1; one may be -1)")
+    parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 or ep=4,dp=2 (unnamed axes are 1; "
+                        "one may be -1)")
     parser.add_argument("--run-dir", type=Path, help="metrics.jsonl and checkpoints go here; an existing one resumes "
                                                      "(default: runs/CONFIG)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
@@ -156,7 +157,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
-                print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters | mesh {layout} on {len(devices)} "
+                active = f" ({param_count(m, active=True) / 1e6:.1f}M active)" if m.moe_experts else ""
+                print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters{active} | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why}) | remat {m.remat} "

@@ -4,7 +4,7 @@ Each layout's step is the real one (jaxgpt.plan.compile_step -> jaxgpt.step), co
 module; the assertions read XLA:GPU's own HLO: cuDNN fused attention forward and backward under
 every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/manual.py), one
 gradient all-reduce per step under dp, bf16 weight gathers and gradient reduce-scatters under fsdp,
-tp's all-reduces inside the layer loops. The tiny model covers the layout matrix; gpt2-124m (2 of
+tp's all-reduces inside the layer loops, MoE's all-to-alls over ep. The tiny model covers the layout matrix; gpt2-124m (2 of
 its 12 layers, everything else as configured, so compiling stays short) covers dp=8 and fsdp=8.
 Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 
@@ -33,6 +33,7 @@ TINY_LAYOUTS = {
     "dp2_fsdp4_accum2": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots"]),
     "dp4_tp2_remat_dots_no_batch": ("dp=4,tp=2", ["model.remat=dots_no_batch"]),
     "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", "model.fp8=true"]),
+    "dp2_ep4_moe_accum2": ("dp=2,ep=4", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2"]),
 }
 GPT2 = ["model.n_layer=2", "model.remat=none"]
 
@@ -68,6 +69,14 @@ def test_every_layout_compiles_with_cudnn_attention_forward_and_backward(tiny, g
     for name, text in [*tiny.items(), *((m, t) for m, (t, _) in gpt2.items())]:
         counts = fused_attention_counts(text)
         assert counts["forward"] >= 1 and counts["backward"] >= 1, (name, counts)
+
+
+@needs_plugin
+def test_moe_moves_tokens_with_all_to_all_in_the_layer_loops(tiny):
+    """jaxgpt/moe.py on XLA:GPU as on XLA:CPU: 2 all-to-alls forward and 3 backward per MoE block,
+    each run once per layer and micro-batch (2 layers x 2 micro-batches)."""
+    ops = [op for op in collective_ops(tiny["dp2_ep4_moe_accum2"])[0] if op.kind == "all-to-all"]
+    assert len(ops) == 5 and all(op.times == 4 for op in ops), ops
 
 
 @needs_plugin

@@ -14,7 +14,7 @@ from jaxgpt.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train
 
-LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2"]
+LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=2,ep=4"]  # ep, dense: one more batch axis
 
 # fp32 throughout. Layouts differ only in the order of floating-point sums (a gradient summed over
 # 8 shards instead of one, a matmul split in two and added), which moves a loss of ~10.8 by about
@@ -84,7 +84,7 @@ def test_optimizer_state_follows_parameter_sharding():
 
 
 def test_logical_axes_cannot_reuse_a_mesh_axis():
-    assert logical_to_spec(("batch", "seq", "act_vocab")) == jax.sharding.PartitionSpec(("dp", "fsdp"), None, "tp")
+    assert logical_to_spec(("batch", "seq", "act_vocab")) == jax.sharding.PartitionSpec(("dp", "fsdp", "ep"), None, "tp")
     with pytest.raises(ValueError, match="both map to mesh axis"):
         logical_to_spec(("batch", "embed"))
 

@@ -1,0 +1,131 @@
+"""Mixture of Experts: top-k routing, capacity-based dispatch, and expert parallelism over `ep`.
+
+Letters: G groups (one per sequence), S tokens per group (S = T), E experts, C slots per expert
+and group, K the top-k choices, D model width, F expert MLP width (4D, as the dense MLP).
+
+Routing. The router is a [D, E] matmul in fp32; softmax over E, the top K experts per token, their
+probabilities renormalised to sum to 1 (the combine weights). Each expert then takes at most
+C = min(S, ceil(K * S * moe_capacity_factor / E)) tokens *per group*; assignments past that are
+dropped (the token's residual stream passes the layer unchanged for that expert). Priority is
+choice-major, as in GShard: every token's first choice is placed before any second choice, and
+within a choice earlier tokens first, by a cumsum over the [K*S, E] one-hot mask.
+
+Why per group, and why groups are sequences. Capacity and the losses below are computed per
+sequence, so they do not depend on how the batch is split: a sequence is routed the same on one
+device and on dp=2 x ep=4, which is what lets tests/test_moe.py compare layouts to 1e-4. The
+losses are means over groups, so micro-batches and dp shards average to the global value.
+
+Dispatch and combine are dense one-hot einsums (GShard/Switch/MaxText's "dropping" path), not
+sorts or ragged ops: `jax.lax.ragged_all_to_all` is unimplemented on XLA:CPU, `ragged_dot` is
+lowered densely on XLA:GPU in JAX 0.10, and einsums are what GSPMD partitions well.
+
+    dispatch  x_EGCD = einsum('gsec,gsd->egcd', dispatch_GSEC, x_GSD)
+    experts   y_EGCD = MLP_e(x_EGCD) with weights [E, D, F], [E, F, D] split over ep
+    combine   y_GSD  = einsum('gsec,egcd->gsd', combine_GSEC, y_EGCD)
+
+Collectives (read from the compiled step, asserted by tests/test_moe.py). Outside the MoE
+layer the groups G are split over (dp, fsdp, ep) (`batch`); the expert tensors are split E over
+ep and G over (dp, fsdp) (`experts`, `expert_batch`). Moving ep from G to E is an all-to-all over
+ep, and XLA:CPU's compiled step (dp=2 x ep=4) holds, per MoE block, two all-to-alls forward
+(the dispatched tokens to the experts, the expert outputs back) and three backward: the two
+transposes, plus the expert outputs moved to the groups once more for the gradient of the
+combine weights (the router's gradient; XLA keeps the expert-side tensor as the residual). Each
+moves the [E, G, C, D] slots one device holds: about K * capacity_factor times its [G, S, D]
+tokens. The router, the gating and the capacity cumsum are local to a group, so they talk to
+nobody. The expert weights are never gathered over ep (each device holds E/ep whole experts,
+and their AdamW moments likewise); under fsdp their `embed` dimension is gathered like any
+weight, under tp their F is split Megatron-style (one all-reduce after the second matmul).
+Outside the MoE layers, ep behaves as a batch axis; one cost seen in the HLO is that the token
+embedding's gradient (a scatter-add) all-gathers its [B, T, D] updates over ep once per step.
+
+Losses (returned per layer, averaged over layers by the model, added to the objective by
+jaxgpt/step.py with model.moe_aux_coef and model.moe_z_coef):
+    aux      Switch load balancing per group: E * sum_e f_e * P_e, f_e the fraction of the group's
+             K*S assignments that chose e (before capacity), P_e the mean router probability of e;
+             1 when the load is uniform.
+    z        ST-MoE router z-loss: mean over tokens of logsumexp(router logits)^2.
+    dropped  the fraction of the K*S assignments past their expert's capacity (a metric, no gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpt.mesh import shard
+
+
+class MoEStats(NamedTuple):
+    """Per-layer means (fp32 scalars) of the load-balancing loss, z-loss and dropped fraction."""
+    aux: jax.Array
+    z: jax.Array
+    dropped: jax.Array
+
+
+def capacity(top_k: int, group_size: int, n_experts: int, factor: float) -> int:
+    """Token slots per expert and group; never more than the group (a token picks an expert once)."""
+    return max(1, min(group_size, math.ceil(top_k * group_size * factor / n_experts)))
+
+
+def _top_k(probs_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k` as k argmax passes (k is small): XLA partitions a reduction over E along the
+    groups, while it all-gathers top_k's operand over ep inside the train step's dp shard_map."""
+    values, indices = [], []
+    for _ in range(k):
+        index_GS = jnp.argmax(probs_GSE, axis=-1)
+        is_max_GSE = jnp.arange(probs_GSE.shape[-1]) == index_GS[..., None]
+        values.append(jnp.sum(jnp.where(is_max_GSE, probs_GSE, 0.0), axis=-1))
+        indices.append(index_GS)
+        probs_GSE = jnp.where(is_max_GSE, -jnp.inf, probs_GSE)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def route(logits_GSE: jax.Array, top_k: int, slots: int) -> tuple[jax.Array, jax.Array, MoEStats]:
+    """fp32 router logits -> (dispatch_GSEC in {0, 1}, combine_GSEC router weights, stats)."""
+    G, S, E = logits_GSE.shape
+    probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
+    weight_GSK, expert_GSK = _top_k(probs_GSE, top_k)
+    weight_GSK = weight_GSK / jnp.sum(weight_GSK, axis=-1, keepdims=True)
+    # choice-major priority: all first choices, then all second choices, ...
+    chosen_GKSE = jax.nn.one_hot(expert_GSK.swapaxes(1, 2), E, dtype=jnp.int32)
+    before_GKSE = jnp.cumsum(chosen_GKSE.reshape(G, top_k * S, E), axis=1).reshape(G, top_k, S, E) - 1
+    slot_GKS = jnp.sum(before_GKSE * chosen_GKSE, axis=-1)  # the slot each assignment takes in its expert
+    kept_GKS = slot_GKS < slots
+    slot_GKSC = jax.nn.one_hot(jnp.where(kept_GKS, slot_GKS, slots), slots, dtype=jnp.float32)  # dropped: all 0
+    chosen_f = chosen_GKSE.astype(jnp.float32)
+    dispatch_GSEC = jnp.einsum("gkse,gksc->gsec", chosen_f, slot_GKSC)
+    combine_GSEC = jnp.einsum("gkse,gksc,gsk->gsec", chosen_f, slot_GKSC, weight_GSK)
+    fraction_GE = jnp.mean(jnp.sum(chosen_f, axis=1), axis=1) / top_k
+    aux = jnp.mean(E * jnp.sum(fraction_GE * jnp.mean(probs_GSE, axis=1), axis=-1))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_GSE, axis=-1)))
+    dropped = 1.0 - jnp.mean(kept_GKS.astype(jnp.float32))
+    return dispatch_GSEC, combine_GSEC, MoEStats(aux, z, jax.lax.stop_gradient(dropped))
+
+
+def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, fc_EDF: jax.Array, fc_bias_EF: jax.Array,
+            proj_EFD: jax.Array, proj_bias_ED: jax.Array, *, top_k: int, capacity_factor: float,
+            drop: bool = True, einsum: Callable = jnp.einsum) -> tuple[jax.Array, MoEStats]:
+    """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
+    (sampling) gives every expert room for the whole group, so no assignment is dropped and a
+    prompt decodes the same token by token as at once."""
+    dt = x_BTD.dtype
+    E = router_DE.shape[-1]
+    logits_GSE = jnp.einsum("gsd,de->gse", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32))
+    logits_GSE = shard(logits_GSE, "batch", "seq", "router")
+    slots = capacity(top_k, x_BTD.shape[1], E, capacity_factor) if drop else x_BTD.shape[1]
+    dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, top_k, slots)
+    dispatch_GSEC = shard(dispatch_GSEC.astype(dt), "batch", "seq", "router", None)
+    combine_GSEC = shard(combine_GSEC.astype(dt), "batch", "seq", "router", None)
+    # batch-split groups -> expert-split experts: the all-to-all over ep
+    x_EGCD = shard(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_BTD), "experts", "expert_batch", None, "act_embed")
+    h_EGCF = einsum("egcd,edf->egcf", x_EGCD, fc_EDF.astype(dt)) + fc_bias_EF.astype(dt)[:, None, None, :]
+    h_EGCF = shard(jax.nn.gelu(h_EGCF, approximate=True), "experts", "expert_batch", None, "act_mlp")
+    y_EGCD = einsum("egcf,efd->egcd", h_EGCF, proj_EFD.astype(dt)) + proj_bias_ED.astype(dt)[:, None, None, :]
+    y_EGCD = shard(y_EGCD, "experts", "expert_batch", None, "act_embed")
+    # and back: the second all-to-all
+    y_BTD = shard(jnp.einsum("gsec,egcd->gsd", combine_GSEC, y_EGCD), "batch", "seq", "act_embed")
+    return y_BTD, stats
