@@ -50,6 +50,8 @@ class _QuietLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         with _without_noise_on_fd2():
             self.inner.exec_module(module)
+            if any(name.startswith("jax_plugins.") for name in sys.modules):
+                return  # a plugin module is being imported and asked for jax: it is not ready to register
             from jax._src import xla_bridge
             getattr(xla_bridge, "_discover_and_register_pjrt_plugins", lambda: None)()
 

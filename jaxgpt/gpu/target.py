@@ -72,6 +72,7 @@ def cudnn_version(target: str) -> int:
 
 def plugin_missing_reason() -> str | None:
     """None if compile-only GPUs can be made here, else one line saying what to install."""
+    import jax  # noqa: F401 - first, so the plugin loads through jaxgpt/_quiet.py where that applies
     try:
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
