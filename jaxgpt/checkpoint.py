@@ -41,7 +41,8 @@ asyncio loop that it closes when a read fails, and TensorStore's I/O threads the
 the other reads' results to that closed loop, each raising "Event loop is closed" through
 `sys.unraisablehook`, dozens of times, from other threads, up to seconds later. The results are
 unwanted (the checkpoint is being skipped), so `_quiet_closed_loops` drops exactly that error
-from that hook, for the life of the process; and each read attempt holds what is written to file
+from that hook, and asyncio's "Task exception was never retrieved" for TensorStore's failed reads
+(logged whenever the task is garbage-collected), for the life of the process; and each read attempt holds what is written to file
 descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt fails
 (its warning line replaces it), written out unchanged when it succeeds.
 
@@ -53,6 +54,7 @@ it, and the others wait for the move before going on.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -281,11 +283,25 @@ def _held_stderr():
                 os.write(2, tmp.read())
 
 
+class _DroppedReadTasks(logging.Filter):
+    """asyncio logs "Task exception was never retrieved" when it garbage-collects a task of a failed
+    read, at an unpredictable later moment (outside the attempt's hold on fd 2): drop those whose
+    exception is TensorStore's (its messages carry the `tensorstore_spec`), nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Task exception was never retrieved"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (exc is not None and "tensorstore_spec" in str(exc))
+
+
 def _quiet_closed_loops() -> None:
-    """Drops "Event loop is closed" from sys.unraisablehook (see the module docstring); idempotent."""
+    """Drops "Event loop is closed" from sys.unraisablehook and TensorStore's never-retrieved read
+    tasks from the asyncio logger (see the module docstring); idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "jaxgpt_quiet", False):
         return
+    logging.getLogger("asyncio").addFilter(_DroppedReadTasks())
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
