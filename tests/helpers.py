@@ -8,8 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jaxgpt.config import load_config
+import jax
+
+from jaxgpt.checkpoint import Checkpointer
+from jaxgpt.config import load_config, validate
 from jaxgpt.hlo import while_bodies
+from jaxgpt.mesh import make_mesh
+from jaxgpt.step import abstract_state, make_setup
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,3 +51,14 @@ def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300) -> s
     env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def restore_run(run_dir: Path, cfg, devices=None):
+    """(the run's newest checkpoint restored under cfg's mesh over `devices` (default all 8), the Setup used)."""
+    mesh = make_mesh(validate(cfg, len(devices) if devices else 8), devices)
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        ckpt = Checkpointer(Path(run_dir) / "checkpoints", cfg.checkpoint)
+        restored = ckpt.restore_latest(abstract_state(cfg, setup))
+        ckpt.close()
+    return restored, setup

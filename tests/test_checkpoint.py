@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import REPO, TINY, read_metrics, run_cli, tiny_config, train_losses
+from helpers import REPO, TINY, read_metrics, restore_run, run_cli, tiny_config, train_losses
 
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
@@ -68,14 +68,7 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 def _final_params(run_dir: Path, layout: str = "dp=4,tp=2"):
-    cfg = tiny_config(mesh=layout)
-    mesh = make_mesh(validate(cfg, 8))
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-        restored = ckpt.restore_latest(abstract_state(cfg, setup))
-        ckpt.close()
-    return restored
+    return restore_run(run_dir, tiny_config(mesh=layout))[0]
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import layer_loops, read_metrics, run_cli, tiny_config, train_losses
+from helpers import layer_loops, read_metrics, restore_run, run_cli, tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
 from jaxgpt import data
-from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.config import load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
@@ -24,7 +23,7 @@ from jaxgpt.model import GPT, param_count
 from jaxgpt.plan import expert_bytes
 from jaxgpt.moe import capacity, route
 from jaxgpt.sample import generate
-from jaxgpt.step import abstract_model, abstract_state, init_state, make_setup, make_train_step
+from jaxgpt.step import abstract_model, init_state, make_setup, make_train_step
 from jaxgpt.train import train
 
 E, K = 8, 2
@@ -180,20 +179,8 @@ def test_step_moves_tokens_with_all_to_all(ep_state):
 def test_checkpoint_moves_between_ep_layouts(ep_run):
     """Saved under dp=2 x ep=4, restored under ep=2 x tp=2 (4 devices): equal, and resharded."""
     layout = "ep=2,tp=2"
-    cfg = tiny_config(*MOE, mesh=layout)
-    mesh = make_mesh(validate(cfg, 4), _devices(layout))
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        ckpt = Checkpointer(ep_run / "checkpoints", cfg.checkpoint)
-        restored = ckpt.restore_latest(abstract_state(cfg, setup))
-        ckpt.close()
-    src_cfg = tiny_config(*MOE, mesh="dp=2,ep=4")
-    src_mesh = make_mesh(validate(src_cfg, 8))
-    with jax.set_mesh(src_mesh):
-        src_setup = make_setup(src_cfg, src_mesh)
-        ckpt = Checkpointer(ep_run / "checkpoints", src_cfg.checkpoint)
-        saved = ckpt.restore_latest(abstract_state(src_cfg, src_setup))
-        ckpt.close()
+    restored, setup = restore_run(ep_run, tiny_config(*MOE, mesh=layout), _devices(layout))
+    saved, _ = restore_run(ep_run, tiny_config(*MOE, mesh="dp=2,ep=4"))
     assert restored.step == saved.step == 5
     for a, b, sh in zip(jax.tree.leaves(restored.state), jax.tree.leaves(saved.state),
                         jax.tree.leaves(setup.shardings)):
