@@ -148,6 +148,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
+    pp: int = _f(1, "pipeline-parallel axis size: the layers split into pp stages, micro-batches flowing through "
+                 "them (jaxgpt/pipeline.py); -1 as below", range=MESH_AXIS)
     dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave", range=MESH_AXIS)
     fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above",
                    range=MESH_AXIS)
@@ -156,7 +158,16 @@ class MeshConfig:
     tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above", range=MESH_AXIS)
     allow_tp_across_hosts: bool = _f(False, "permit a tp axis that spans processes (slow: tp talks in every layer)")
 
-    AXES = ("dp", "fsdp", "ep", "tp")  # the mesh's order: tp varies fastest, then ep
+    AXES = ("pp", "dp", "fsdp", "ep", "tp")  # the mesh's order: tp varies fastest, then ep; pp slowest
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    microbatches: int = _f(0, "micro-batches M in flight through the pp stages per gradient-accumulation round, a "
+                           "multiple of pp; bubble (pp-1)/(repeats*M+pp-1); 0 = auto: the most, up to 4 x pp, that "
+                           "split the round's rows evenly", range=NONNEGATIVE)
+    repeats: int = _f(1, "circular (interleaved) schedule: each stage holds this many non-adjacent chunks of layers "
+                      "and every micro-batch goes round the pp stages this many times; 1 = GPipe", range=POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -207,6 +218,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -326,7 +338,8 @@ def load_config(config: str | None = None, overrides: list[str] = (), mesh: str 
 
 
 def parse_mesh(spec: str) -> dict[str, str]:
-    """'dp=2,tp=4' -> {'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.ep': '1', 'mesh.tp': '4'}: axes not named are 1."""
+    """'dp=2,tp=4' -> {'mesh.pp': '1', 'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.ep': '1', 'mesh.tp': '4'}: axes
+    not named are 1."""
     axes = list(MeshConfig.AXES)
     out = {f"mesh.{a}": "1" for a in axes}
     for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -387,6 +400,7 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
+    pipeline_microbatches(cfg, sizes)  # raises if the pipeline layout cannot work
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by the tp axis ({sizes['tp']})")
     if m.padded_vocab % sizes["tp"] or (4 * m.n_embd) % sizes["tp"]:
@@ -398,6 +412,39 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         raise UserError(f"the data's tokenizer has {data_vocab_size} tokens but model.vocab_size is "
                         f"{m.vocab_size}; raise model.vocab_size to at least {data_vocab_size}")
     return sizes
+
+
+def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
+    """Micro-batches M per pipeline round (pipeline.microbatches, or its auto rule), after checking
+    that the layers split into pp x repeats chunks and the round's rows into M x (dp*fsdp*ep);
+    1 without pipelining."""
+    S, R, m = sizes["pp"], cfg.pipeline.repeats, cfg.model
+    if S == 1:
+        if R > 1:
+            raise UserError(f"pipeline.repeats={R} needs a pp axis (--mesh pp=S,...); with pp=1 there is no pipeline")
+        return 1
+    if m.moe_experts:
+        raise UserError("pipeline parallelism (pp > 1) does not support Mixture-of-Experts models yet; "
+                        "use ep, fsdp, tp and dp for an MoE model, or set model.moe_experts=0")
+    if m.n_layer % (S * R):
+        raise UserError(f"model.n_layer={m.n_layer} does not split into pp x pipeline.repeats = {S} x {R} = "
+                        f"{S * R} equal chunks of layers")
+    rows = cfg.train.batch_size // cfg.train.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+    M = cfg.pipeline.microbatches
+    if M == 0:
+        fits = [k for k in range(S, 4 * S + 1, S) if rows % k == 0]
+        if not fits:
+            raise UserError(f"pp={S} needs a multiple of {S} micro-batches, but a data shard's {rows} sequences "
+                            f"per round (train.batch_size / train.grad_accum / (dp x fsdp x ep)) split into none; "
+                            f"raise train.batch_size or set pipeline.microbatches")
+        return max(fits)
+    if M % S:
+        raise UserError(f"pipeline.microbatches={M} is not a multiple of pp={S} (each stage computes the head "
+                        f"and loss of M/pp of them)")
+    if rows % M:
+        raise UserError(f"pipeline.microbatches={M} does not divide a data shard's {rows} sequences per round "
+                        f"(train.batch_size / train.grad_accum / (dp x fsdp x ep))")
+    return M
 
 
 def help_text() -> str:

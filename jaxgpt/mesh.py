@@ -2,6 +2,8 @@
 
 Mesh axes
 ---------
+    pp    pipeline parallelism: the stacked blocks' `layers` axis is split into pp stages of
+          consecutive layers; micro-batches flow from stage to stage (jaxgpt/pipeline.py).
     dp    data parallel: the batch is split, parameters are replicated, gradients all-reduced.
     fsdp  ZeRO-3: the batch is split *and* every parameter (so its gradient and its AdamW moments)
           is split along its `embed` dimension; XLA all-gathers a weight just before use and
@@ -13,8 +15,9 @@ Mesh axes
     tp    Megatron tensor parallelism: attention heads, the MLP hidden units and the vocabulary are
           split, so QKV / MLP-in are column-parallel and attention-out / MLP-out row-parallel.
 
-The device order is (dp, fsdp, ep, tp): tp varies fastest, then ep, so the two axes that talk
-inside every layer (tp's all-reduces, ep's all-to-alls) take neighbouring devices.
+The device order is (pp, dp, fsdp, ep, tp): tp varies fastest, then ep, so the two axes that talk
+inside every layer (tp's all-reduces, ep's all-to-alls) take neighbouring devices, and pp, which
+only passes activations between neighbouring stages, varies slowest and so spans hosts first.
 
 Auto, not Explicit, axes
 ------------------------
@@ -55,7 +58,8 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "pos": None,            # rows of the position embedding
     "qkv": None,            # the 3 of q, k, v
     "head_dim": None,
-    "layers": None,         # the stacked-layers axis of the scanned blocks
+    "layers": "pp",         # the stacked-layers axis of the scanned blocks: pipeline stages
+    "sublayers": None,      # a second stacking level (the dense blocks inside an MoE group)
     "experts": "ep",        # the E experts of an MoE block (their weights, and tokens sorted to them)
     "router": None,         # the router's E outputs: every device scores every expert
     # activations
@@ -84,7 +88,7 @@ def logical_to_spec(axes: Sequence[str | None]) -> P:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A dp x fsdp x ep x tp mesh of Auto axes (see the module docstring); axes missing from `sizes` are 1."""
+    """A pp x dp x fsdp x ep x tp mesh of Auto axes (see the module docstring); axes missing from `sizes` are 1."""
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if devices is None:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

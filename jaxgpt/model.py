@@ -275,12 +275,7 @@ class GPT(nnx.Module):
         (jaxgpt/loss.py), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
         models): (output, MoEStats averaged over the MoE blocks)."""
         T = tokens_BT.shape[1]
-        pos = 0 if cache is None else cache.pos
-        # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
-        wte_VD = shard(self.wte[...], "vocab", None)
-        wpe_TD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, T)
-        x_BTD = (wte_VD[tokens_BT] + wpe_TD).astype(dtype)
-        x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
+        x_BTD = self.embed(tokens_BT, dtype, 0 if cache is None else cache.pos)
         if cache is not None:
             if self.cfg.moe_experts:
                 x_BTD, kv = self._run_groups_cached(x_BTD, KV(cache.k, cache.v), cache.pos)
@@ -292,6 +287,25 @@ class GPT(nnx.Module):
                 x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
             return self._logits(x_BTD, dtype), KVCache(kv.k, kv.v, cache.pos + T)
 
+        x_BTD, stats = self.run_blocks(x_BTD)
+        out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
+        if with_moe_stats:
+            zero = jnp.zeros((), jnp.float32)
+            return out, MoEStats(zero, zero, zero) if stats is None else stats
+        return out
+
+    def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
+        """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`."""
+        # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
+        wte_VD = shard(self.wte[...], "vocab", None)
+        wpe_TD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
+        x_BTD = (wte_VD[tokens_BT] + wpe_TD).astype(dtype)
+        return shard(x_BTD, "batch", "seq", "act_embed")
+
+    def run_blocks(self, x_BTD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        """The stacked blocks (training, no cache), however many this module holds: all of them, or
+        one pipeline stage's (jaxgpt/pipeline.py). Returns (x, MoEStats averaged over the MoE
+        blocks, or None for a dense model)."""
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
             return block(x_BTD)
 
@@ -300,25 +314,19 @@ class GPT(nnx.Module):
         if self.cfg.remat != "none":
             apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
 
-        stats = None
         if self.cfg.moe_experts:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
             def run_groups(x_BTD: jax.Array, group: MoEGroup):
                 return group(x_BTD, apply_block)
 
             x_BTD, stats_G = run_groups(x_BTD, self.groups)
-            stats = MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
-        else:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def run_blocks(x_BTD: jax.Array, block: Block) -> jax.Array:
-                return apply_block(block, x_BTD)
+            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
 
-            x_BTD = run_blocks(x_BTD, self.blocks)
-        out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
-        if with_moe_stats:
-            zero = jnp.zeros((), jnp.float32)
-            return out, MoEStats(zero, zero, zero) if stats is None else stats
-        return out
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run_stack(x_BTD: jax.Array, block: Block) -> jax.Array:
+            return apply_block(block, x_BTD)
+
+        return run_stack(x_BTD, self.blocks), None
 
     def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
         """The cached pass of an MoE model: the [L, ...] cache viewed as [G, N, ...] groups of blocks."""

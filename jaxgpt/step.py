@@ -30,6 +30,7 @@ PyTorch FSDP does. Inside the `shard_map` the activation constraints drop `dp` (
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +39,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import Config, ModelConfig
+from jaxgpt import pipeline
+from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.loss import chunked_cross_entropy
 from jaxgpt.mesh import named
 from jaxgpt.model import GPT, compute_dtype
@@ -68,7 +70,7 @@ def param_logical_axes(params: nnx.State) -> dict[str, Any]:
     for path, var in nnx.to_flat_state(params):
         axes = tuple(var.get_metadata()["logical_axes"])
         if path[0] in ("blocks", "groups"):  # created under nnx.vmap: a leading axis per stacking level
-            axes = ("layers",) * (var.ndim - len(axes)) + axes
+            axes = ("layers",) + ("sublayers",) * (var.ndim - len(axes) - 1) + axes
         assert len(axes) == var.ndim, (path, axes, var.shape)
         node = out
         for key in path[:-1]:
@@ -138,20 +140,67 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats, strict=True))}
 
 
-def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
+def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
+                       stages: int, microbatches: int, bubble_fill: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/pipeline.py):
+    `params['blocks']` holds this stage's chunks, and the result is its share of the loss (the M/pp
+    micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss."""
+    S, R, M = stages, cfg.pipeline.repeats, microbatches
+    model = nnx.merge(graphdef, params)
+    B, T1 = batch_BT1.shape
+    # Micro-batch a holds rows a, a+M, ...: a reshape of the sharded batch axis, as in summed_grads.
+    x_MbTD = model.embed(batch_BT1[:, :-1], dtype).reshape(B // M, M, T1 - 1, -1).swapaxes(0, 1)
+
+    def run_chunk(chunk: dict, x_bTD: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, {**params, "blocks": chunk}).run_blocks(x_bTD)[0]
+
+    y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill)
+    y_nbTD = pipeline.scatter_outputs(y_MbTD, S)
+    labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
+    # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
+    x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
+    labels_BT = labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
+    loss = chunked_cross_entropy(x_BTD, params["wte"], labels_BT, cfg.model, dtype) / S
+    return loss, {"loss": loss}
+
+
+class Layout(NamedTuple):
+    """How the step splits the work by hand: the mesh axes its shard_map is manual over, the
+    params' specs over them, and the pipeline's micro-batches (1 without pp)."""
+    manual: tuple[str, ...]
+    param_specs: dict[str, Any]  # P('pp') for the stacked blocks under pp, P() otherwise
+    microbatches: int
+
+
+def manual_layout(cfg: Config, mesh: Mesh, setup: Setup) -> Layout:
+    sizes = dict(mesh.shape)
+    manual = tuple(a for a in ("pp", "dp") if sizes[a] > 1)
+    on_pp = lambda axes: P("pp") if sizes["pp"] > 1 and axes[:1] == ("layers",) else P()  # noqa: E731
+    return Layout(manual, jax.tree.map(on_pp, setup.logical_axes, is_leaf=_is_axes),
+                  pipeline_microbatches(cfg, sizes))
+
+
+def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 0.0):
     """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'} and an MoE model's
-    moe_* metrics), the state donated."""
+    moe_* metrics), the state donated. `bubble_fill`: see pipeline.run (tests)."""
     A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
+    S, R = mesh.shape["pp"], cfg.pipeline.repeats
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
-    grad_fn = jax.grad(objective_fn, has_aux=True)  # w.r.t. params; the aux output is the metrics
+    layout = manual_layout(cfg, mesh, setup)
+    if S > 1:
+        objective = functools.partial(pipeline_objective, cfg=cfg, dtype=dtype, stages=S, microbatches=layout.microbatches,
+                                      bubble_fill=bubble_fill)
+    else:
+        objective = functools.partial(objective_fn, cfg=cfg.model, dtype=dtype)
+    grad_fn = jax.grad(objective, has_aux=True)  # w.r.t. params; the aux output is the metrics
 
     def metrics_and_grads(params, batch_BT1):
-        grads, metrics = grad_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
+        grads, metrics = grad_fn(params, setup.graphdef, batch_BT1)
         return metrics, grads
 
     def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
-        carry the type of the loop's outputs (dp-varying inside the shard_map below)."""
+        carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
         if A == 1:
             return metrics_and_grads(params, batch_BT1)
         B, T1 = batch_BT1.shape
@@ -166,18 +215,33 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
         return jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
 
     def mean_grads(params: dict, batch_BT1: jax.Array) -> tuple[dict, dict]:
-        if mesh.shape["dp"] == 1:
+        if not layout.manual:
             return jax.tree.map(lambda x: x / A, summed_grads(params, batch_BT1))
 
-        def per_dp_shard(params, local_BT1):
-            # Differentiate w.r.t. a dp-varying copy of the parameters so each shard's gradient
-            # stays local through the accumulation; one pmean after it (see the module docstring).
-            vary = lambda tree: jax.lax.pcast(tree, "dp", to="varying")  # noqa: E731
-            summed = summed_grads(vary(params), local_BT1, vary)
-            return jax.tree.map(lambda x: jax.lax.pmean(x, "dp") / A, summed)
+        def per_shard(params, local_BT1):
+            # Differentiate w.r.t. a copy of the parameters that varies over every manual axis, so
+            # each shard's gradient stays local through the accumulation; one reduction after it
+            # (see the module docstring): pmean over dp, and over pp a psum of the partial gradients
+            # of what every stage uses (embeddings, ln_f); a stage's own blocks need none.
+            to_varying = lambda tree: jax.tree.map(lambda x: pipeline.vary(x, layout.manual), tree)  # noqa: E731
+            metrics, grads = summed_grads(to_varying(params), local_BT1, to_varying)
 
-        return jax.shard_map(per_dp_shard, mesh=mesh, in_specs=(P(), P("dp")), out_specs=P(),
-                             axis_names={"dp"})(params, batch_BT1)
+            def reduce(x, spec=P()):
+                if "dp" in layout.manual:
+                    x = jax.lax.pmean(x, "dp")
+                if "pp" in layout.manual and spec == P():
+                    x = jax.lax.psum(x, "pp")
+                return x / A
+
+            return jax.tree.map(reduce, metrics), jax.tree.map(reduce, grads, layout.param_specs)
+
+        params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)} if S > 1 else params
+        metrics, grads = jax.shard_map(
+            per_shard, mesh=mesh, in_specs=(layout.param_specs, P("dp") if "dp" in layout.manual else P()),
+            out_specs=(P(), layout.param_specs), axis_names=set(layout.manual))(params, batch_BT1)
+        if S > 1:
+            grads = {**grads, "blocks": pipeline.from_stage_major(grads["blocks"], S, R)}
+        return metrics, grads
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
         metrics, grads = mean_grads(state.params, batch_BT1)
@@ -194,8 +258,23 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup):
 
 
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
-    """jit(params, batch [B, T+1]) -> mean cross-entropy (no MoE auxiliary losses)."""
+    """jit(params, batch [B, T+1]) -> mean cross-entropy (no MoE auxiliary losses); under pp
+    through the same pipeline as training."""
     dtype = compute_dtype(cfg.model.dtype)
-    return jax.jit(lambda params, batch: loss_fn(params, setup.graphdef, batch, cfg.model, dtype),
-                   in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
+    S, R = mesh.shape["pp"], cfg.pipeline.repeats
+
+    def loss(params, batch_BT1):
+        if S == 1:
+            return loss_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
+        layout = manual_layout(cfg, mesh, setup)
+
+        def per_stage(params, batch_BT1):
+            partial = pipeline_objective(params, setup.graphdef, batch_BT1, cfg, dtype, S, layout.microbatches)[0]
+            return jax.lax.psum(partial, "pp")
+
+        params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)}
+        return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P()), out_specs=P(),
+                             axis_names={"pp"})(params, batch_BT1)
+
+    return jax.jit(loss, in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
                    out_shardings=NamedSharding(mesh, P()))

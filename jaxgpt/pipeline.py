@@ -1,0 +1,158 @@
+"""Pipeline parallelism: the blocks split into pp stages, micro-batches flowing through them.
+
+Letters: S stages (the pp axis), R repeats (pipeline.repeats), C layers per chunk (L = R*S*C),
+M micro-batches per round (pipeline.microbatches), b sequences per micro-batch, T time, D width.
+
+Where the layers live. The stacked blocks' `layers` axis maps to `pp` in the one sharding table
+(mesh.RULES), so at rest device s holds layers [s*L/S, (s+1)*L/S) and their AdamW moments, and a
+checkpoint's arrays are the same [L, ...] with or without pipelining. Embeddings, the final
+LayerNorm and the tied head are replicated over pp: every stage embeds its data shard's rows (a
+cheap gather), and each stage computes the head and loss of M/S of the micro-batches.
+
+The schedule. `run` is called inside the train step's `shard_map`, which is manual over pp (and
+dp), so each device runs one stage on its own layers; fsdp, ep and tp stay automatic inside. A
+`lax.scan` over R*M + S - 1 iterations moves the micro-batches: in iteration i stage s works on
+pair k = i - s, that is micro-batch m = k mod M on its pass r = k div M, then every stage hands its
+output to the next over a ring of collective-permutes (`ppermute`, s -> s+1 mod S). GPipe (R=1),
+S=3, M=3, forward (jax.grad runs the same diagram backwards: the ppermute's transpose is the
+reverse shift):
+
+    iteration   0    1    2    3    4
+    stage 0     m0   m1   m2   .    .       .  bubble: the stage computes on zeros,
+    stage 1     .    m0   m1   m2   .          and its output is dropped
+    stage 2     .    .    m0   m1   m2
+    bubble = (S-1) / (M+S-1) of each stage's iterations = 2/5
+
+The circular schedule (R > 1) cuts the model into R*S chunks of C layers; chunk (r, s), layers
+[(r*S + s)*C, (r*S + s + 1)*C), lives on stage s, so each device holds R non-adjacent chunks and
+every micro-batch goes round the ring R times. Stage 0 takes pass r of micro-batch m at iteration
+r*M + m; since M >= S the previous pass has come back round by then (stage S-1's output reaches
+stage 0 over the ring's wrap-around link and waits in a per-micro-batch buffer). The bubble is the
+same S-1 iterations, but an iteration is now C = L/(R*S) layers instead of L/S:
+(S-1) / (R*M + S - 1). R=2, S=2, M=2 (chunks c0..c3; mX.r is micro-batch X's pass r):
+
+    iteration   0     1     2     3     4
+    stage 0     m0.0  m1.0  m0.1  m1.1  .        (chunks 0 then 2)
+    stage 1     .     m0.0  m1.0  m0.1  m1.1     (chunks 1 then 3)
+    bubble = 1/5 of 5 half-size iterations, where GPipe has 1/3 of 3 full ones
+
+Because the at-rest layout keeps consecutive layers together, R > 1 reorders the stacked axis
+into stage-major order (`to_stage_major`) at the start of each step, an all-to-all over pp of the
+block weights, and its gradient back (`from_stage_major`): the price of checkpoints that do not
+depend on the schedule. R = 1 needs no reordering.
+
+The ring's wrap-around link also brings each micro-batch's final output back to stage 0, into
+the same buffer, so after the loop stage 0 holds all M outputs; one reduce-scatter over pp
+(`psum_scatter` of the buffer, zero on the other stages) hands each stage M/S of them for the
+head. That is why M must be a multiple of S.
+
+Bubbles are harmless by construction: a stage's input in a bubble slot is replaced by zeros
+(`where(valid, x, 0)`) before it computes, and bubble outputs are never stored. Masking the input,
+not the output, matters: garbage (even NaN) in an unused slot would otherwise meet a zero
+cotangent as NaN * 0 = NaN in the weight gradients (tests/test_pipeline.py injects NaN there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def to_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
+    """Stacked block arrays [L, ...] in model order -> [L, ...] whose s-th contiguous share (what
+    device s holds under the pp sharding) is chunks (0, s), (1, s), ..., (R-1, s)."""
+    if repeats == 1:
+        return blocks
+
+    def reorder(x):
+        C = x.shape[0] // (repeats * stages)
+        return x.reshape(repeats, stages, C, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+    return jax.tree.map(reorder, blocks)
+
+
+def from_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
+    """The inverse of `to_stage_major` (the gradients back to model order)."""
+    if repeats == 1:
+        return blocks
+
+    def reorder(x):
+        C = x.shape[0] // (repeats * stages)
+        return x.reshape(stages, repeats, C, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+    return jax.tree.map(reorder, blocks)
+
+
+def varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual mesh axes x varies over (its type inside a shard_map)."""
+    aval = jax.typeof(x)
+    return aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma  # JAX 0.10 / older
+
+
+def vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """x typed as varying over the manual `axes` it does not vary over yet (a no-op otherwise)."""
+    missing = tuple(a for a in axes if a not in varying_axes(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_MbTD: jax.Array,
+        stages: int, repeats: int, bubble_fill: float = 0.0) -> jax.Array:
+    """The S-stage schedule of the module docstring, inside a shard_map manual over 'pp'.
+
+    run_chunk(chunk, x [b, T, D]) -> x applies C layers (`chunk`: their stacked parameters);
+    stage_blocks: this stage's R chunks, leaves [R*C, ...] (stage-major order); x_MbTD: the
+    embedded micro-batches (read on stage 0). Returns [M, b, T, D], the blocks' outputs, valid on
+    stage 0 only. `bubble_fill` is what the stages' input slots hold before anything arrives
+    (tests set NaN to prove it never reaches a result)."""
+    S, R, M = stages, repeats, x_MbTD.shape[0]
+    s = jax.lax.axis_index("pp")
+    ring = [(i, (i + 1) % S) for i in range(S)]
+    chunks = jax.tree.map(lambda p: p.reshape(R, p.shape[0] // R, *p.shape[1:]), stage_blocks)
+
+    def pair(k):
+        """(valid, pass r, micro-batch m) of schedule slot k = r*M + m."""
+        valid = (k >= 0) & (k < R * M)
+        k = jnp.clip(k, 0, R * M - 1)
+        return valid, k // M, k % M
+
+    def iteration(carry, i):
+        buffer_MbTD, received_bTD = carry
+        valid, r, m = pair(i - s)
+        x_bTD = jnp.where(s == 0, buffer_MbTD[m], received_bTD)
+        x_bTD = jnp.where(valid, x_bTD, jnp.zeros_like(x_bTD))  # the input, not the output: see above
+        chunk = jax.tree.map(lambda p: p[r], chunks) if R > 1 else jax.tree.map(lambda p: p[0], chunks)
+        y_bTD = run_chunk(chunk, x_bTD)
+        received_bTD = jax.lax.ppermute(y_bTD, "pp", ring)
+        # Stage 0 now holds stage S-1's output of slot i - (S-1): the next pass's input, or a final output.
+        back, _, m_back = pair(i - (S - 1))
+        keep = back & (s == 0)
+        buffer_MbTD = buffer_MbTD.at[m_back].set(jnp.where(keep, received_bTD, buffer_MbTD[m_back]))
+        return (buffer_MbTD, received_bTD), None
+
+    axes = tuple(varying_axes(x_MbTD) | {"pp"})
+    buffer_MbTD = vary(x_MbTD, axes)
+    received_bTD = vary(jnp.full(x_MbTD.shape[1:], bubble_fill, x_MbTD.dtype), axes)
+    (buffer_MbTD, _), _ = jax.lax.scan(iteration, (buffer_MbTD, received_bTD), jnp.arange(R * M + S - 1))
+    return buffer_MbTD
+
+
+def scatter_outputs(y_MbTD: jax.Array, stages: int) -> jax.Array:
+    """Stage 0's M outputs -> each stage's M/S of them, [M/S, b, T, D] (micro-batches s*M/S.. on
+    stage s): one reduce-scatter over pp of the buffer, zeros everywhere but stage 0."""
+    first = jax.lax.axis_index("pp") == 0
+    y_MbTD = jnp.where(first, y_MbTD, jnp.zeros_like(y_MbTD))
+    return jax.lax.psum_scatter(y_MbTD, "pp", scatter_dimension=0, tiled=True)
+
+
+def my_share(a_M: jax.Array, stages: int) -> jax.Array:
+    """This stage's M/S rows of a [M, ...] array, the ones `scatter_outputs` gives it."""
+    n = a_M.shape[0] // stages
+    return jax.lax.dynamic_slice_in_dim(a_M, jax.lax.axis_index("pp") * n, n, axis=0)
+
+
+def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
+    """Idle share of each stage's time in one round: (S-1) / (R*M + S - 1)."""
+    return (stages - 1) / (repeats * microbatches + stages - 1)
