@@ -76,6 +76,22 @@ def ordered_devices() -> list[jax.Device]:
     return sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
 
 
+def data_block(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(index, count): which block of a global batch laid out by `sharding` this process loads, out
+    of how many distinct blocks. Processes whose devices hold the same rows (pp spanning hosts:
+    every stage embeds its data shard's rows) load the same block; otherwise each its own."""
+    rows: dict[int, tuple[int, int]] = {}
+    for device, index in sharding.devices_indices_map(global_shape).items():
+        start, stop, _ = index[0].indices(global_shape[0])
+        lo, hi = rows.get(device.process_index, (start, stop))
+        rows[device.process_index] = (min(lo, start), max(hi, stop))
+    blocks = sorted(set(rows.values()))
+    sizes = {hi - lo for lo, hi in blocks}
+    assert len(sizes) == 1 and all(b[1] == c[0] for b, c in zip(blocks, blocks[1:])), (
+        f"processes hold uneven or overlapping row blocks: {rows}")
+    return blocks.index(rows[jax.process_index()]), len(blocks)
+
+
 def mesh_layout_error(tp: int, allow_tp_across_hosts: bool) -> str | None:
     """Why this tp would span processes, or None if it stays within each one."""
     local = jax.local_device_count()

@@ -156,3 +156,18 @@ def my_share(a_M: jax.Array, stages: int) -> jax.Array:
 def bubble_fraction(stages: int, repeats: int, microbatches: int) -> float:
     """Idle share of each stage's time in one round: (S-1) / (R*M + S - 1)."""
     return (stages - 1) / (repeats * microbatches + stages - 1)
+
+
+def schedule_summary(stages: int, repeats: int, microbatches: int, rounds: int, n_layer: int,
+                     rows_per_device: int, seq_len: int, width: int, itemsize: int) -> dict:
+    """What `jaxgpt.plan` prints about the schedule: its shape, bubble and the activation bytes each
+    stage sends per optimizer step (`rounds` = train.grad_accum pipeline rounds; rows_per_device =
+    one micro-batch's sequences on a device). Every iteration sends one [b, T, D] block forward,
+    and its gradient comes back in the backward pass; bubble iterations send too."""
+    iterations = repeats * microbatches + stages - 1
+    block = rows_per_device * seq_len * width * itemsize
+    return {"schedule": "GPipe" if repeats == 1 else f"circular (repeats={repeats})", "stages": stages,
+            "repeats": repeats, "microbatches": microbatches, "iterations": iterations,
+            "layers_per_chunk": n_layer // (stages * repeats),
+            "bubble": bubble_fraction(stages, repeats, microbatches),
+            "block_bytes": block, "send_bytes_per_step": 2 * rounds * iterations * block}

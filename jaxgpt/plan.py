@@ -171,7 +171,22 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
         "collectives": collective_summary(text, len(devices)),
         "device_memory_bytes": device_memory_bytes,
         "fits": None if device_memory_bytes is None else memory["peak"] <= device_memory_bytes,
+        "pipeline": _pipeline(cfg, sizes, dtype),
     }
+
+
+def _pipeline(cfg: Config, sizes: dict[str, int], dtype) -> dict[str, Any] | None:
+    import numpy as np
+
+    from jaxgpt import pipeline
+    from jaxgpt.config import pipeline_microbatches
+    if sizes["pp"] == 1:
+        return None
+    t, m = cfg.train, cfg.model
+    M = pipeline_microbatches(cfg, sizes)
+    rows = t.batch_size // t.grad_accum // M // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+    return pipeline.schedule_summary(sizes["pp"], cfg.pipeline.repeats, M, t.grad_accum, m.n_layer, rows,
+                                     m.seq_len, m.n_embd, np.dtype(dtype).itemsize)
 
 
 def _mib(n: float) -> str:
@@ -215,6 +230,14 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     if p["device_memory_bytes"]:
         verdict = "fits" if p["fits"] else "this would not fit"
         lines.append(f"{'device memory':<44}{_mib(p['device_memory_bytes'])}   {verdict}")
+    if pp := p.get("pipeline"):
+        S, R, M = pp["stages"], pp["repeats"], pp["microbatches"]
+        lines += ["", f"pipeline: {pp['schedule']}, {S} stages x {R} chunk(s) of {pp['layers_per_chunk']} layers, "
+                  f"{M} micro-batches per round, {pp['iterations']} iterations (R*M + S - 1): bubble "
+                  f"{100 * pp['bubble']:.1f}% = ({S}-1)/({R}*{M}+{S}-1)",
+                  f"pipeline: each stage sends {_mib(pp['send_bytes_per_step']).strip()} MiB of activations per "
+                  f"step ({pp['iterations']} x {_mib(pp['block_bytes']).strip()} MiB forward, as much backward, x "
+                  f"{t.grad_accum} round(s)): the collective-permutes below"]
     c = p["collectives"]
     lines += ["", "collectives per step (count: executions; MiB: result size per device; wire MiB: what each "
               "device sends with ring algorithms)",

@@ -128,16 +128,16 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     validate(cfg, len(devices), data_vocab)
     cfg, remat_why, _ = remat.resolve(cfg, device_memory(devices[0]), lambda c: plan(c, devices))  # model.remat=auto
     t, m = cfg.train, cfg.model
-    pid, nproc = jax.process_index(), jax.process_count()
-    batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
-                                  process_index=pid, process_count=nproc,
-                                  prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
-    val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
-                                    num_batches=t.eval_batches, process_index=pid, process_count=nproc)
-
+    pid = jax.process_index()
     mesh = make_mesh(sizes, devices)
     batch_sharding = named(mesh, ("batch", None))
     global_shape = (t.batch_size, m.seq_len + 1)
+    block, blocks = distributed.data_block(batch_sharding, global_shape)  # this process's rows of each batch
+    batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
+                                  process_index=block, process_count=blocks,
+                                  prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
+    val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
+                                    num_batches=t.eval_batches, process_index=block, process_count=blocks)
 
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)

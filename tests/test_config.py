@@ -35,8 +35,8 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 def test_mesh_resolution():
-    assert mesh_shape(load_config(mesh="dp=2,fsdp=-1").mesh, 8) == {"dp": 2, "fsdp": 4, "ep": 1, "tp": 1}
-    assert mesh_shape(load_config().mesh, 8) == {"dp": 8, "fsdp": 1, "ep": 1, "tp": 1}  # default: all devices dp
+    assert mesh_shape(load_config(mesh="dp=2,fsdp=-1").mesh, 8) == {"pp": 1, "dp": 2, "fsdp": 4, "ep": 1, "tp": 1}
+    assert mesh_shape(load_config().mesh, 8) == {"pp": 1, "dp": 8, "fsdp": 1, "ep": 1, "tp": 1}  # default: all devices dp
     for spec, message in [("dp=3", "has 3 devices but 8"), ("dp=-1,tp=-1", "only one axis"),
                           ("dp=3,fsdp=-1", "does not divide"), ("dq=8", "did you mean 'dp'")]:
         with pytest.raises(UserError, match=message):

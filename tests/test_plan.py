@@ -140,7 +140,7 @@ def test_plan_command_bad_mesh_is_one_line():
     assert proc.returncode == EXIT_USER_ERROR
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
-        "error: mesh dp=3,fsdp=1,ep=1,tp=1 has 3 devices but 8 are available"]
+        "error: mesh pp=1,dp=3,fsdp=1,ep=1,tp=1 has 3 devices but 8 are available"]
 
 
 def test_benchmark_smoke(tmp_path, shakespeare_dir):
