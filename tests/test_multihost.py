@@ -38,15 +38,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launcher(run_dir, *args: str, restarts: int = 0) -> tuple[list[str], dict[str, str]]:
+def _launcher(run_dir, *args: str, restarts: int = 0, mesh: str = MESH) -> tuple[list[str], dict[str, str]]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()), JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
     return (["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--max-restarts",
-             str(restarts), "--", "--run-dir", str(run_dir), "--mesh", MESH, *RUN, *args], env)
+             str(restarts), "--", "--run-dir", str(run_dir), "--mesh", mesh, *RUN, *args], env)
 
 
-def _launch_local(run_dir, *args: str) -> subprocess.CompletedProcess:
-    command, env = _launcher(run_dir, *args)
+def _launch_local(run_dir, *args: str, mesh: str = MESH) -> subprocess.CompletedProcess:
+    command, env = _launcher(run_dir, *args, mesh=mesh)
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -71,6 +71,15 @@ def test_two_processes_train_like_one(one_process_reference, two_process_run):
     assert len(losses) == 8
     np.testing.assert_allclose(losses, one_process_reference, rtol=0, atol=LOSS_ATOL)
     assert proc.stdout.count("step      8 | loss") == 1  # only process 0 logs
+
+
+def test_pipeline_stages_on_two_processes_train_like_one(one_process_reference, tmp_path):
+    """pp=2 is the outermost mesh axis, so each process holds one stage: the activations cross
+    between the processes (gloo), and both processes load the same rows (each stage embeds its data
+    shard's sequences). The losses are the one-process dp x fsdp run's."""
+    proc = _launch_local(tmp_path, "train.steps=8", mesh="pp=2,dp=2,fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
 
 
 def test_checkpoint_moves_from_two_processes_to_one(one_process_reference, tmp_path):
