@@ -61,6 +61,13 @@ def per_shard(fn: Callable[..., jax.Array], logical_axes: Sequence[str | None],
     if not free:
         return fn(*args)
     spec = spec_for(args[0].shape, logical_axes, mesh, manual)
+    named_axes = {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    # A size-1 axis no logical axis names (pp without pipelining) is put on the first dimension, which
+    # it splits 1 way: left replicated, its cotangents lose their manual-axis types inside the dp
+    # shard_map (XLA:GPU compile of dp=8), and left automatic, the cuDNN partitioner fails.
+    if unnamed := [a for a in mesh.axis_names if a in free and a not in named_axes and mesh.shape[a] == 1]:
+        first = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+        spec = P((*first, *unnamed), *spec[1:])
     # check_vma=False: with the check on, cuDNN attention inside the train step's dp shard_map fails
     # to lower (JAX 0.10.2). Differentiating through this shard_map inside a partially manual one
     # then works for a custom_vjp kernel such as cuDNN's (tests/test_gpu_compile.py), not for a

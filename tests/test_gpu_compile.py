@@ -4,7 +4,8 @@ Each layout's step is the real one (jaxgpt.plan.compile_step -> jaxgpt.step), co
 module; the assertions read XLA:GPU's own HLO: cuDNN fused attention forward and backward under
 every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/manual.py), one
 gradient all-reduce per step under dp, bf16 weight gathers and gradient reduce-scatters under fsdp,
-tp's all-reduces inside the layer loops, MoE's all-to-alls over ep. The tiny model covers the layout matrix; gpt2-124m (2 of
+tp's all-reduces inside the layer loops, MoE's all-to-alls over ep, pp's collective-permutes inside
+the pipeline schedule's loop. The tiny model covers the layout matrix; gpt2-124m (2 of
 its 12 layers, everything else as configured, so compiling stays short) covers dp=8 and fsdp=8.
 Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 
@@ -34,6 +35,9 @@ TINY_LAYOUTS = {
     "dp4_tp2_remat_dots_no_batch": ("dp=4,tp=2", ["model.remat=dots_no_batch"]),
     "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", "model.fp8=true"]),
     "dp2_ep4_moe_accum2": ("dp=2,ep=4", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2"]),
+    "pp2_dp2_tp2": ("pp=2,dp=2,tp=2", ["model.n_layer=4"]),
+    "pp2_fsdp4_circular_accum2_remat_full": ("pp=2,fsdp=4", ["model.n_layer=4", "pipeline.repeats=2",
+                                                             "train.grad_accum=2", "model.remat=full"]),
 }
 GPT2 = ["model.n_layer=2", "model.remat=none"]
 
@@ -77,6 +81,17 @@ def test_moe_moves_tokens_with_all_to_all_in_the_layer_loops(tiny):
     each run once per layer and micro-batch (2 layers x 2 micro-batches)."""
     ops = [op for op in collective_ops(tiny["dp2_ep4_moe_accum2"])[0] if op.kind == "all-to-all"]
     assert len(ops) == 5 and all(op.times == 4 for op in ops), ops
+
+
+@needs_plugin
+def test_pipeline_stages_pass_activations_with_collective_permutes(tiny):
+    """jaxgpt/pipeline.py on XLA:GPU: the stage shift is a collective-permute inside the schedule's
+    loop (forward and backward); GPipe moves no weights (no all-to-all), the circular schedule
+    reorders the block weights into stage-major order and back with all-to-alls."""
+    for name in ("pp2_dp2_tp2", "pp2_fsdp4_circular_accum2_remat_full"):
+        assert sum(collectives(body)["collective-permute"] >= 1 for body in while_bodies(tiny[name])) >= 2, name
+    assert collectives(tiny["pp2_dp2_tp2"])["all-to-all"] == 0
+    assert collectives(tiny["pp2_fsdp4_circular_accum2_remat_full"])["all-to-all"] > 0
 
 
 @needs_plugin
