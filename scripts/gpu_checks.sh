@@ -43,8 +43,8 @@ step() {  # step NAME COMMAND...: run with a time limit, keep the output, log th
 bench() {  # bench NAME ARGS...: one scripts/benchmark.py run, its row appended to summary.md
   local name=$1; shift
   if ! grep -qs '^| config' "$OUT/summary.md"; then
-    echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | input tokens/s |" >>"$OUT/summary.md"
-    echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
+    echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | faults/step | input tokens/s |" >>"$OUT/summary.md"
+    echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
   fi
   if step "$name" "$PY" scripts/benchmark.py --name "$name" --json "$OUT/$name.json" --steps 10 --warmup 2 "$@"; then
     grep '^|' "$OUT/$name.txt" >>"$OUT/summary.md"
