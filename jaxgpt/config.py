@@ -168,6 +168,9 @@ class PipelineConfig:
                            "split the round's rows evenly", range=NONNEGATIVE)
     repeats: int = _f(1, "circular (interleaved) schedule: each stage holds this many non-adjacent chunks of layers "
                       "and every micro-batch goes round the pp stages this many times; 1 = GPipe", range=POSITIVE)
+    gather_once: bool = _f(True, "with fsdp: all-gather a stage's weights once per step, before the schedule, and "
+                           "reduce-scatter their gradients once after it; false: gather them for every micro-batch "
+                           "that passes (ZeRO-3 memory, (R*M+S-1)x the weight traffic)")
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.loss import chunked_cross_entropy
-from jaxgpt.mesh import named
+from jaxgpt.mesh import named, shard
 from jaxgpt.model import GPT, compute_dtype
 from jaxgpt.optim import lr_schedule, make_optimizer
 
@@ -141,11 +141,16 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
 
 
 def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
-                       stages: int, microbatches: int, bubble_fill: float = 0.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+                       stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/pipeline.py):
     `params['blocks']` holds this stage's chunks, and the result is its share of the loss (the M/pp
-    micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss."""
+    micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss.
+    `block_axes`: the blocks' logical axes, for pipeline.gather_once."""
     S, R, M = stages, cfg.pipeline.repeats, microbatches
+    if cfg.pipeline.gather_once:  # fsdp: whole (fp32) stage weights for the step; a no-op without fsdp
+        whole = lambda x, axes: shard(x, *(None if a == "embed" else a for a in axes))  # noqa: E731
+        params = {**params, "blocks": jax.tree.map(whole, params["blocks"], block_axes)}
     model = nnx.merge(graphdef, params)
     B, T1 = batch_BT1.shape
     # Micro-batch a holds rows a, a+M, ...: a reshape of the sharded batch axis, as in summed_grads.
@@ -189,7 +194,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     layout = manual_layout(cfg, mesh, setup)
     if S > 1:
         objective = functools.partial(pipeline_objective, cfg=cfg, dtype=dtype, stages=S, microbatches=layout.microbatches,
-                                      bubble_fill=bubble_fill)
+                                      block_axes=setup.logical_axes["blocks"], bubble_fill=bubble_fill)
     else:
         objective = functools.partial(objective_fn, cfg=cfg.model, dtype=dtype)
     grad_fn = jax.grad(objective, has_aux=True)  # w.r.t. params; the aux output is the metrics
@@ -269,7 +274,8 @@ def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
         layout = manual_layout(cfg, mesh, setup)
 
         def per_stage(params, batch_BT1):
-            partial = pipeline_objective(params, setup.graphdef, batch_BT1, cfg, dtype, S, layout.microbatches)[0]
+            partial = pipeline_objective(params, setup.graphdef, batch_BT1, cfg, dtype, S, layout.microbatches,
+                                         setup.logical_axes["blocks"])[0]
             return jax.lax.psum(partial, "pp")
 
         params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)}

@@ -11,7 +11,7 @@ from helpers import read_metrics, restore_run, tiny_config, train_losses
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.hlo import collective_bytes, while_bodies
+from jaxgpt.hlo import collective_bytes, collective_ops, while_bodies
 from jaxgpt.mesh import make_mesh
 from jaxgpt.pipeline import bubble_fraction, from_stage_major, to_stage_major
 from jaxgpt.plan import plan
@@ -30,7 +30,8 @@ LAYOUTS = [  # (mesh, extra overrides, devices)
     ("pp=2", (), 2),
     ("pp=4,dp=2", (), 8),
     ("pp=2,dp=2,tp=2", (), 8),
-    ("pp=2,fsdp=4", (), 8),
+    ("pp=2,fsdp=4", (), 8),  # weights gathered once per step (pipeline.gather_once, the default)
+    ("pp=2,fsdp=4", ("pipeline.gather_once=false",), 8),  # ... or for every micro-batch
     ("pp=2,dp=4", ("pipeline.repeats=2",), 8),  # circular: 2 chunks of 1 layer per stage
 ]
 
@@ -124,6 +125,18 @@ def test_compiled_step_shifts_activations_with_collective_permutes(layout, overr
         assert moved["collective-permute"] == p["pipeline"]["send_bytes_per_step"] and moved["all-to-all"] == 0
     else:  # plus the weight reorder, by permutes or all-to-alls
         assert moved["collective-permute"] + moved["all-to-all"] > p["pipeline"]["send_bytes_per_step"]
+
+
+def test_fsdp_weights_are_gathered_once_per_step_not_per_micro_batch():
+    """pp=2 x fsdp=4, 4 micro-batches, 5 iterations: with gather_once each stage weight is gathered
+    once, before the schedule's loop; without it, in every iteration (forward and backward)."""
+    counts = {}
+    for once in ("true", "false"):
+        _, mesh, _, state, step = _step_parts("pp=2,fsdp=4", f"pipeline.gather_once={once}")
+        with jax.set_mesh(mesh):
+            hlo = step.lower(state, _batch()).compile().as_text()
+        counts[once] = sum(op.times for op in collective_ops(hlo)[0] if op.kind == "all-gather")
+    assert counts["false"] >= 5 * counts["true"], counts
 
 
 def test_stage_major_order_puts_each_stages_chunks_together():
