@@ -43,7 +43,7 @@ from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.loss import chunked_cross_entropy
 from jaxgpt.mesh import named, shard
-from jaxgpt.model import GPT, compute_dtype
+from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype
 from jaxgpt.optim import lr_schedule, make_optimizer
 
 
@@ -159,7 +159,8 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     def run_chunk(chunk: dict, x_bTD: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, {**params, "blocks": chunk}).run_blocks(x_bTD)[0]
 
-    y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill)
+    y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill,
+                          REMAT_POLICIES.get(cfg.model.remat))
     y_nbTD = pipeline.scatter_outputs(y_MbTD, S)
     labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
