@@ -30,6 +30,7 @@ LAYOUTS = [  # (mesh, extra overrides, devices)
     ("pp=2", (), 2),
     ("pp=4,dp=2", (), 8),
     ("pp=2,dp=2,tp=2", (), 8),
+    ("pp=2,dp=2,tp=2", ("train.grad_accum=2",), 8),  # two rounds of the schedule per step
     ("pp=2,fsdp=4", (), 8),  # weights gathered once per step (pipeline.gather_once, the default)
     ("pp=2,fsdp=4", ("pipeline.gather_once=false",), 8),  # ... or for every micro-batch
     ("pp=2,dp=4", ("pipeline.repeats=2",), 8),  # circular: 2 chunks of 1 layer per stage
