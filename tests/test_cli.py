@@ -43,6 +43,9 @@ def empty_data_dir(tmp_path_factory, shakespeare_dir):
     (["--mesh", "dp=8", "model.vocab_size=1000"], ["50257 tokens", "model.vocab_size"]),
     (["--mesh", "dp=8", "data.path=/nonexistent/data"], ["/nonexistent/data"]),
     (["--no-such-flag"], ["unrecognized arguments"]),
+    (["--mesh", "pp=4,dp=2", "model.n_layer=6"], ["model.n_layer=6 does not split into pp x pipeline.repeats"]),
+    (["--mesh", "pp=2,dp=4", "pipeline.microbatches=3"], ["pipeline.microbatches=3 is not a multiple of pp=2"]),
+    (["--mesh", "pp=2,dp=4", "pipeline.repeat=2"], ["did you mean 'pipeline.repeats'"]),
 ])
 def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
     proc = run_cli("--run-dir", str(tmp_path / "run"), *args)
