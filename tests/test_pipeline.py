@@ -116,6 +116,9 @@ def test_compiled_step_shifts_activations_with_collective_permutes(layout, overr
     with jax.set_mesh(mesh):
         hlo = step.lower(state, _batch()).compile().as_text()
     assert any("collective-permute" in body for body in while_bodies(hlo))
+    # gradients (dp's pmean, pp's psum of the embeddings') are reduced once per step, never per iteration
+    big = [op for op in collective_ops(hlo)[0] if op.kind == "all-reduce" and op.bytes > 64]
+    assert big and all(op.times == 1 for op in big), [(op.bytes, op.times) for op in big]
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     p = plan(cfg, jax.devices())
     assert p["pipeline"]["microbatches"] == M and p["pipeline"]["iterations"] == R * M + S - 1
