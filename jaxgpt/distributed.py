@@ -35,6 +35,8 @@ import os
 
 import jax
 
+from jaxgpt.errors import UserError
+
 _ENV = ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID")
 
 
@@ -87,8 +89,9 @@ def data_block(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -
         rows[device.process_index] = (min(lo, start), max(hi, stop))
     blocks = sorted(set(rows.values()))
     sizes = {hi - lo for lo, hi in blocks}
-    assert len(sizes) == 1 and all(b[1] == c[0] for b, c in zip(blocks, blocks[1:])), (
-        f"processes hold uneven or overlapping row blocks: {rows}")
+    if len(sizes) != 1 or any(b[1] != c[0] for b, c in zip(blocks, blocks[1:])):
+        raise UserError(f"this mesh gives the processes uneven or overlapping rows of each batch ({rows}); "
+                        f"order the axes so that each process holds whole data shards (or put pp/tp within hosts)")
     return blocks.index(rows[jax.process_index()]), len(blocks)
 
 
