@@ -26,6 +26,16 @@ respect to a dp-*varying* copy of the parameters (`pcast`), so its gradient stay
 sums its A micro-batches, and one `pmean` over dp follows the loop. Under fsdp the gradient is
 still reduce-scattered per micro-batch over the fsdp axis: ZeRO-3 keeps only a shard of it, as
 PyTorch FSDP does. Inside the `shard_map` the activation constraints drop `dp` (`mesh.shard`).
+
+Pipeline parallelism (pp > 1)
+-----------------------------
+The same `shard_map` is then manual over pp as well (`manual_layout`): the stacked blocks come in
+split over pp (each device its stage's layers), everything else replicated, and the objective is
+`pipeline_objective`, which runs the micro-batches through the stages (jaxgpt/pipeline.py) and
+returns this stage's share of the loss. The parameters are made varying over pp too, so after
+the accumulation a psum over pp adds up the partial gradients of what every stage uses
+(embeddings, ln_f), while a stage's own blocks need no pp reduction. The eval step runs the same
+pipeline under a `shard_map` manual over pp only.
 """
 
 from __future__ import annotations
