@@ -168,9 +168,10 @@ class PipelineConfig:
                            "split the round's rows evenly", range=NONNEGATIVE)
     repeats: int = _f(1, "circular (interleaved) schedule: each stage holds this many non-adjacent chunks of layers "
                       "and every micro-batch goes round the pp stages this many times; 1 = GPipe", range=POSITIVE)
-    gather_once: bool = _f(True, "with fsdp: all-gather a stage's weights once per step, before the schedule, and "
-                           "reduce-scatter their gradients once after it; false: gather them for every micro-batch "
-                           "that passes (ZeRO-3 memory, (R*M+S-1)x the weight traffic)")
+    gather_once: bool = _f(True, "with fsdp: all-gather a stage's weights once per round of the schedule (once per "
+                           "step unless train.grad_accum > 1) and reduce-scatter their gradients once after it; "
+                           "false: gather them for every micro-batch that passes (ZeRO-3 memory, (R*M+S-1)x the "
+                           "weight traffic)")
 
 
 @dataclass(frozen=True)
@@ -417,14 +418,21 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     return sizes
 
 
+def round_rows(cfg: Config, sizes: dict[str, int]) -> int:
+    """Sequences of one data shard in one gradient-accumulation round (what a pipeline splits into M)."""
+    return cfg.train.batch_size // cfg.train.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+
+
 def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
     """Micro-batches M per pipeline round (pipeline.microbatches, or its auto rule), after checking
     that the layers split into pp x repeats chunks and the round's rows into M x (dp*fsdp*ep);
     1 without pipelining."""
     S, R, m = sizes["pp"], cfg.pipeline.repeats, cfg.model
     if S == 1:
-        if R > 1:
-            raise UserError(f"pipeline.repeats={R} needs a pp axis (--mesh pp=S,...); with pp=1 there is no pipeline")
+        for key, value, default in (("repeats", R, 1), ("microbatches", cfg.pipeline.microbatches, 0)):
+            if value != default:
+                raise UserError(f"pipeline.{key}={value} needs a pp axis (--mesh pp=S,...); with pp=1 there is "
+                                f"no pipeline")
         return 1
     if m.moe_experts:
         raise UserError("pipeline parallelism (pp > 1) does not support Mixture-of-Experts models yet; "
@@ -432,7 +440,7 @@ def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
     if m.n_layer % (S * R):
         raise UserError(f"model.n_layer={m.n_layer} does not split into pp x pipeline.repeats = {S} x {R} = "
                         f"{S * R} equal chunks of layers")
-    rows = cfg.train.batch_size // cfg.train.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+    rows = round_rows(cfg, sizes)
     M = cfg.pipeline.microbatches
     if M == 0:
         fits = [k for k in range(S, 4 * S + 1, S) if rows % k == 0]

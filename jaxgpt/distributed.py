@@ -91,7 +91,7 @@ def data_block(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -
     sizes = {hi - lo for lo, hi in blocks}
     if len(sizes) != 1 or any(b[1] != c[0] for b, c in zip(blocks, blocks[1:])):
         raise UserError(f"this mesh gives the processes uneven or overlapping rows of each batch ({rows}); "
-                        f"order the axes so that each process holds whole data shards (or put pp/tp within hosts)")
+                        f"choose axis sizes so that each process holds whole data shards")
     return blocks.index(rows[jax.process_index()]), len(blocks)
 
 

@@ -14,8 +14,9 @@ The specs come from logical axes through `mesh.RULES` (`'batch'` -> dp, fsdp; `'
 never from axis names written here, so axes added to the table later are split the same way:
     - axes already manual in the context (dp inside the train step's shard_map) are dropped, they
       are split already;
-    - a mesh axis that no logical axis names (none today) is manual too, with the arrays replicated
-      over it: each of its devices computes the same block;
+    - a mesh axis that no logical axis names (pp, for activations) is manual too: replicated over
+      it when it is larger than 1 (each of its devices computes the same block), put on the first
+      dimension when it has size 1 (see below);
     - an axis that does not divide its dimension (a batch of 1 when sampling on fsdp=8) is left
       out of the spec, so that dimension is replicated rather than refused.
 With no mesh in the context (one device, or no `jax.set_mesh`) the function is called directly.

@@ -7,7 +7,8 @@ Where the layers live. The stacked blocks' `layers` axis maps to `pp` in the one
 (mesh.RULES), so at rest device s holds layers [s*L/S, (s+1)*L/S) and their AdamW moments, and a
 checkpoint's arrays are the same [L, ...] with or without pipelining. Embeddings, the final
 LayerNorm and the tied head are replicated over pp: every stage embeds its data shard's rows (a
-cheap gather), and each stage computes the head and loss of M/S of the micro-batches.
+cheap gather; only stage 0's result is read), and each stage computes the head and loss of M/S of
+the micro-batches.
 
 The schedule. `run` is called inside the train step's `shard_map`, which is manual over pp (and
 dp), so each device runs one stage on its own layers; fsdp, ep and tp stay automatic inside. A

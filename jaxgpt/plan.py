@@ -179,12 +179,12 @@ def _pipeline(cfg: Config, sizes: dict[str, int], dtype) -> dict[str, Any] | Non
     import numpy as np
 
     from jaxgpt import pipeline
-    from jaxgpt.config import pipeline_microbatches
+    from jaxgpt.config import pipeline_microbatches, round_rows
     if sizes["pp"] == 1:
         return None
     t, m = cfg.train, cfg.model
     M = pipeline_microbatches(cfg, sizes)
-    rows = t.batch_size // t.grad_accum // M // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+    rows = round_rows(cfg, sizes) // M
     return pipeline.schedule_summary(sizes["pp"], cfg.pipeline.repeats, M, t.grad_accum, m.n_layer, rows,
                                      m.seq_len, m.n_embd, np.dtype(dtype).itemsize)
 

@@ -162,6 +162,9 @@ def _shard(params: dict, cfg: Config, spec: str) -> dict:
         raise UserError(f"--mesh {spec}: axis sizes must be integers") from None
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes))
     shape = mesh_shape(cfg.mesh, jax.device_count())
+    if shape["pp"] > 1:
+        raise UserError(f"--mesh {spec}: sampling does not pipeline (pp={shape['pp']}); split a model too big for "
+                        f"one device with tp or fsdp instead")
     checks = [("tp", cfg.model.n_head, "model.n_head"), ("fsdp", cfg.model.n_embd, "model.n_embd")]
     if cfg.model.moe_experts:  # a dense model is replicated over ep
         checks.append(("ep", cfg.model.moe_experts, "model.moe_experts"))

@@ -21,7 +21,7 @@ One gradient all-reduce per step, not per micro-batch
 Left to GSPMD, the gradient of a dp-replicated parameter is all-reduced where it is produced,
 inside the accumulation loop: A micro-batches cost A all-reduces (gpt2-124m at dp=8 with A=16
 moved 9,955 MiB per step instead of ~500). So when dp > 1 the step runs under a `shard_map` that
-is manual over `dp` only (fsdp and tp stay automatic inside): each dp shard differentiates with
+is manual over `dp` (and pp, below; fsdp, ep and tp stay automatic inside): each dp shard differentiates with
 respect to a dp-*varying* copy of the parameters (`pcast`), so its gradient stays local while it
 sums its A micro-batches, and one `pmean` over dp follows the loop. Under fsdp the gradient is
 still reduce-scattered per micro-batch over the fsdp axis: ZeRO-3 keeps only a shard of it, as
@@ -158,12 +158,12 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss.
     `block_axes`: the blocks' logical axes, for pipeline.gather_once."""
     S, R, M = stages, cfg.pipeline.repeats, microbatches
-    if cfg.pipeline.gather_once:  # fsdp: whole (fp32) stage weights for the step; a no-op without fsdp
+    if cfg.pipeline.gather_once:  # fsdp: whole (fp32) stage weights for the round; a no-op without fsdp
         whole = lambda x, axes: shard(x, *(None if a == "embed" else a for a in axes))  # noqa: E731
         params = {**params, "blocks": jax.tree.map(whole, params["blocks"], block_axes)}
     model = nnx.merge(graphdef, params)
     B, T1 = batch_BT1.shape
-    # Micro-batch a holds rows a, a+M, ...: a reshape of the sharded batch axis, as in summed_grads.
+    # Micro-batch m holds rows m, m+M, ...: a reshape of the sharded batch axis, as in summed_grads.
     x_MbTD = model.embed(batch_BT1[:, :-1], dtype).reshape(B // M, M, T1 - 1, -1).swapaxes(0, 1)
 
     def run_chunk(chunk: dict, x_bTD: jax.Array) -> jax.Array:
@@ -204,8 +204,9 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
     layout = manual_layout(cfg, mesh, setup)
     if S > 1:
-        objective = functools.partial(pipeline_objective, cfg=cfg, dtype=dtype, stages=S, microbatches=layout.microbatches,
-                                      block_axes=setup.logical_axes["blocks"], bubble_fill=bubble_fill)
+        objective = functools.partial(pipeline_objective, cfg=cfg, dtype=dtype, stages=S,
+                                      microbatches=layout.microbatches, block_axes=setup.logical_axes["blocks"],
+                                      bubble_fill=bubble_fill)
     else:
         objective = functools.partial(objective_fn, cfg=cfg.model, dtype=dtype)
     grad_fn = jax.grad(objective, has_aux=True)  # w.r.t. params; the aux output is the metrics

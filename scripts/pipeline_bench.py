@@ -17,7 +17,7 @@ of one micro-batch at a time): on XLA:CPU the GPipe structure itself (every micr
 activations stacked until the backward pass) costs more than accumulation, a cost of pipelining
 that is not the bubble.
 
-The model is all blocks (a 512-token vocabulary keeps the head, which is not pipelined, small) and
+The model is mostly blocks (a 512-token vocabulary keeps the head, split over the stages, small) and
 the data are random tokens. Step times are medians of --steps after 2 warm-ups. Memory is XLA's
 memory analysis of the compiled step: temporaries per device (activations kept for the backward
 pass, gradients, work space), for each stage and for the one-device GPipe-structured step.
@@ -66,10 +66,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 512, (args.batch, args.seq + 1)).astype(np.int32) for _ in range(4)]
 
-    def gpipe_on_one_device(cfg, setup):
+    def gpipe_on_one_device(cfg, setup, M: int):
         """The train step with the pipeline's structure on one device: grad of a scan over the M
         micro-batches (rows a, a+M, ... as the pipeline takes them), then AdamW."""
-        M, dtype = cfg.pipeline.microbatches, compute_dtype(cfg.model.dtype)
+        dtype = compute_dtype(cfg.model.dtype)
 
         def train_step(state: TrainState, batch_BT1):
             B, T1 = batch_BT1.shape
@@ -86,14 +86,17 @@ def main() -> None:
 
         return jax.jit(train_step, donate_argnums=0)
 
-    def measure(mesh_spec: str, overrides: list[str], n: int, one_device_gpipe: bool = False) -> tuple[float, float]:
-        """(median step seconds, temporaries MiB per device)."""
+    def measure(mesh_spec: str, overrides: list[str], n: int, one_device_gpipe: int = 0) -> tuple[float, float]:
+        """(median step seconds, temporaries MiB per device); one_device_gpipe=M: gpipe_on_one_device."""
         cfg = load_config(None, [*model, *overrides], mesh_spec)
         mesh = make_mesh(validate(cfg, n), jax.devices()[:n])
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
             state = init_state(cfg, setup)
-            step = gpipe_on_one_device(cfg, setup) if one_device_gpipe else make_train_step(cfg, mesh, setup)
+            if one_device_gpipe:
+                step = gpipe_on_one_device(cfg, setup, one_device_gpipe)
+            else:
+                step = make_train_step(cfg, mesh, setup)
             temp = step.lower(state, batches[0]).compile().memory_analysis().temp_size_in_bytes / 2**20
             times = []
             for i in range(args.steps + 2):
@@ -112,7 +115,7 @@ def main() -> None:
         for M in map(int, args.microbatches.split(",")):
             if M not in reference:
                 reference[M] = (measure("dp=1", [f"train.grad_accum={M}"], 1)[0],
-                                *measure("dp=1", [f"pipeline.microbatches={M}"], 1, one_device_gpipe=True))
+                                *measure("dp=1", [], 1, one_device_gpipe=M))
             (t_acc, t1, temp1), (t, temp) = reference[M], measure(
                 f"pp={S}", [f"pipeline.repeats={R}", f"pipeline.microbatches={M}"], S)
             name = "GPipe" if R == 1 else "circular"

@@ -176,6 +176,7 @@ def test_checkpoint_moves_from_flat_mesh_into_a_circular_pipeline(single_device,
     (("pipeline.microbatches=8",), "pp=2,dp=4", r"pipeline.microbatches=8 does not divide a data shard's 4 sequences"),
     (("train.batch_size=4", "model.n_layer=8"), "pp=8", r"pp=8 needs a multiple of 8 micro-batches, but a data shard's 4"),
     (("pipeline.repeats=2",), "dp=8", r"pipeline.repeats=2 needs a pp axis"),
+    (("pipeline.microbatches=4",), "dp=8", r"pipeline.microbatches=4 needs a pp axis"),
     (("model.moe_experts=4",), "pp=2,dp=4", r"does not support Mixture-of-Experts"),
     ((), "pp=3,dp=2", r"mesh pp=3,dp=2,fsdp=1,ep=1,tp=1 has 6 devices but 8"),
 ])

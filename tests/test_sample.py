@@ -77,6 +77,7 @@ def test_sample_cli_bad_input(trained_run, capsys):
                                      "of 32 tokens"),
         (["--prompt", "a b c d e f g h i j k l m n o p q r s t u v w x y z"], "the prompt (26 tokens)"),
         (["--mesh", "tp=3", "--max-new-tokens", "4"], "has 3 devices but 8"),
+        (["--mesh", "pp=2,tp=4", "--max-new-tokens", "4"], "sampling does not pipeline (pp=2)"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
     ]:
         code = main([str(trained_run), *args])
