@@ -67,26 +67,25 @@ from jax.ad_checkpoint import checkpoint_name
 def to_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     """Stacked block arrays [L, ...] in model order -> [L, ...] whose s-th contiguous share (what
     device s holds under the pp sharding) is chunks (0, s), (1, s), ..., (R-1, s)."""
-    if repeats == 1:
-        return blocks
-
-    def reorder(x):
-        C = x.shape[0] // (repeats * stages)
-        return x.reshape(repeats, stages, C, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
-
-    return jax.tree.map(reorder, blocks)
+    return _swap_chunk_axes(blocks, repeats, stages)
 
 
 def from_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     """The inverse of `to_stage_major` (the gradients back to model order)."""
-    if repeats == 1:
+    return _swap_chunk_axes(blocks, stages, repeats)
+
+
+def _swap_chunk_axes(blocks: Any, outer: int, inner: int) -> Any:
+    """Each leaf's [outer * inner * C, ...] viewed as [outer, inner, C, ...], its first two axes
+    swapped: chunk (o, i) moves to position (i, o). A no-op when there is one chunk per stage."""
+    if 1 in (outer, inner):
         return blocks
 
-    def reorder(x):
-        C = x.shape[0] // (repeats * stages)
-        return x.reshape(stages, repeats, C, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+    def swap(x):
+        C = x.shape[0] // (outer * inner)
+        return x.reshape(outer, inner, C, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
 
-    return jax.tree.map(reorder, blocks)
+    return jax.tree.map(swap, blocks)
 
 
 def varying_axes(x: jax.Array) -> frozenset[str]:
@@ -138,7 +137,7 @@ def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_M
         valid, r, m = pair(i - s)
         x_bTD = jnp.where(s == 0, buffer_MbTD[m], received_bTD)
         x_bTD = jnp.where(valid, x_bTD, jnp.zeros_like(x_bTD))  # the input, not the output: see above
-        y_bTD = run_pass(chunks, r, x_bTD) if R > 1 else run_chunk(jax.tree.map(lambda p: p[0], chunks), x_bTD)
+        y_bTD = run_pass(chunks, r, x_bTD) if R > 1 else run_chunk(stage_blocks, x_bTD)
         received_bTD = jax.lax.ppermute(y_bTD, "pp", ring)
         # Stage 0 now holds stage S-1's output of slot i - (S-1): the next pass's input, or a final output.
         back, _, m_back = pair(i - (S - 1))
@@ -153,7 +152,7 @@ def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_M
     return buffer_MbTD
 
 
-def scatter_outputs(y_MbTD: jax.Array, stages: int) -> jax.Array:
+def scatter_outputs(y_MbTD: jax.Array) -> jax.Array:
     """Stage 0's M outputs -> each stage's M/S of them, [M/S, b, T, D] (micro-batches s*M/S.. on
     stage s): one reduce-scatter over pp of the buffer, zeros everywhere but stage 0."""
     first = jax.lax.axis_index("pp") == 0

@@ -171,7 +171,7 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
 
     y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill,
                           REMAT_POLICIES.get(cfg.model.remat))
-    y_nbTD = pipeline.scatter_outputs(y_MbTD, S)
+    y_nbTD = pipeline.scatter_outputs(y_MbTD)
     labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
