@@ -1,36 +1,44 @@
 """fp8 matmuls for the transformer's linear layers (`model.fp8=true`).
 
-Formats. Forward operands (activations and weights) are cast to float8_e4m3fn (3 mantissa bits,
-max 448): precision matters more than range there. Gradients flowing back into a matmul are cast
-to float8_e5m2 (2 mantissa bits, max 57344): gradients span a wider range. Accumulation is in
-higher precision (fp32 inside the GEMM), and the result is in the compute dtype.
+Formats. Forward operands (activations and weights) are float8_e4m3fn (3 mantissa bits, max 448):
+precision matters more than range there. The gradient flowing back into a matmul is float8_e5m2
+(2 mantissa bits, max 57344): gradients span a wider range. Products accumulate in fp32 inside the
+GEMM, and the result is rescaled and written in the compute dtype.
 
 Scaling recipe: current (dynamic) per-tensor scaling. Each operand is divided by
 scale = amax(|x|) / fp8_max just before the cast, so its largest element lands on the format's
-largest value, and the product is multiplied back by both scales. The amax is computed from the
-tensor itself on every step, which costs one reduction per operand but needs no state: nothing to
-checkpoint, nothing for weight decay or clipping to skip, and no stale scale after a loss spike
-(the weakness of delayed scaling with an amax history). Under a sharded mesh the amax is a global
-max, which XLA turns into a small all-reduce; inside the train step's dp `shard_map` (jaxgpt/step.py)
-the dp shards are split by hand, so an explicit `pmax` over the manual axes makes it global there too.
+largest value, and the GEMM's fp32 result is multiplied back by both scales. The amax is computed
+from the tensor itself on every step: one reduction per operand, but no state (nothing to
+checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
+Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
+train step's `shard_map` (jaxgpt/step.py) the manual axes are split by hand, so an explicit `pmax`
+over them makes it global there too: one scale per tensor on every layout.
 
-How XLA sees it. The code is written as quantize-dequantize ("qdq"): x -> fp8 -> back to the
-compute dtype * scale, then an ordinary einsum. XLA:GPU's GEMM rewriter recognises
-convert(fp8) * scale feeding a dot and emits a cuBLASLt fp8 GEMM (QGMMA on Hopper), so the fp8
-cast is real on H100/H200. On CPU the same program runs numerically (the rounding to fp8 is
-exact; the matmul is done in the wider type), which is what the CPU tests check.
+Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with an fp32
+`preferred_element_type`, then `* scale_x * scale_w` and a cast to the compute dtype. XLA:GPU's
+GEMM rewriter turns a dot with fp8 operands (at least one e4m3, scalar scales) into a cuBLASLt fp8
+GEMM (`__cublas$lt$matmul$f8`, QGMMA on Hopper) with the scales and the cast in its epilogue. The
+older quantize-dequantize form (fp8 -> bf16 * scale, then an ordinary dot) relied on the rewriter
+recognising that pattern after other passes had run; they simplified it away and no fp8 GEMM
+formed on a real H100 (docs/benchmarks.md). Flax and Transformer Engine moved to direct fp8 dots
+for the same reason. On CPU, XLA upcasts the fp8 operands and computes the same products exactly
+(an e4m3 x e4m3 or e5m2 x e4m3 product is exact in fp32), which is what the CPU tests check.
 
-Gradients. Rounding has zero derivative almost everywhere, so the forward qdq uses a
-straight-through estimator (the gradient passes unchanged); `_grad_qdq` is the identity in the
-forward pass and rounds the incoming gradient to e5m2 in the backward pass, so both backward
-GEMMs (dx = dy w^T, dw = x^T dy) also get fp8 operands.
+Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
+the quantization as the identity (straight-through) and runs both gradient GEMMs in fp8 too:
+dx = dy . w^T and dw = x^T . dy, with dy quantized to e5m2 and the saved e4m3 operands of the
+forward pass (e5m2 x e4m3: cuBLASLt does not take e5m2 x e5m2). The residuals kept for the
+backward pass are the fp8 operands and their scales: half the bytes of bf16 activations.
 
-Which layers. QKV, attention-out, MLP-in and MLP-out: the matmuls that hold ~all of the FLOPs
-of a transformer block. The embedding lookup and the tied output head stay in the compute dtype:
-the head sets the logits' precision, and nanochat and MaxText keep it out of fp8 too.
+Which layers. QKV, attention-out, MLP-in and MLP-out (and the MoE experts' two): the matmuls that
+hold ~all of a transformer block's FLOPs. The embedding lookup and the tied output head stay in
+the compute dtype: the head sets the logits' precision, and nanochat and MaxText keep it out of
+fp8 too. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the attention kernel.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,35 +46,85 @@ import jax.numpy as jnp
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
-def _qdq(x: jax.Array, fp8: jnp.dtype) -> jax.Array:
-    """Round x to `fp8` with a per-tensor scale and return it in x's dtype (a value fp8 can hold)."""
+def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """x -> (q in `fp8`, fp32 scale) with x ~= q * scale and max|q| = the format's max."""
     fmax = float(jnp.finfo(fp8).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     if manual := tuple(jax.sharding.get_abstract_mesh().manual_axes):
         amax = jax.lax.pmax(amax, manual)  # one scale for the whole tensor, as on any other layout
-    # the scale is rounded to x's dtype once, so quantize and dequantize use the very same value;
-    # dequantize is convert(fp8 -> dtype) * scale: the pattern XLA:GPU fuses into an fp8 GEMM
-    scale = jnp.where(amax > 0, amax / fmax, 1.0).astype(x.dtype)
-    q = jnp.clip(x / scale, -fmax, fmax).astype(fp8)
-    return q.astype(x.dtype) * scale
+    scale = jnp.where(amax > 0, amax / fmax, 1.0)
+    q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8)
+    return q, scale
 
 
-@jax.custom_vjp
-def _fwd_qdq(x: jax.Array) -> jax.Array:
-    return _qdq(x, E4M3)
+@functools.cache
+def _operands(spec: str) -> tuple[str, str, str]:
+    """'btd,df->btf' -> ('btd', 'df', 'btf'), checked: every index of an operand is in the other
+    operand or in the output (no index summed inside one operand), so both gradients are einsums."""
+    ins, out = spec.replace(" ", "").split("->")
+    a, b = ins.split(",")
+    if any(len(set(s)) != len(s) for s in (a, b, out)) or not set(a) <= set(b) | set(out) \
+            or not set(b) <= set(a) | set(out) or set(out) != set(a) ^ set(b) | (set(a) & set(b) & set(out)):
+        raise ValueError(f"fp8_einsum needs a two-operand matmul spec, got {spec!r}")
+    return a, b, out
 
 
-_fwd_qdq.defvjp(lambda x: (_qdq(x, E4M3), None), lambda _, g: (g,))  # straight-through
+@functools.cache
+def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
+    """dot_general's dimension numbers for a two-operand einsum, and the transpose to its output."""
+    a, b, out = _operands(spec)
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+            (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]  # dot_general's order
+    return dims, tuple(result.index(c) for c in out)
 
 
-@jax.custom_vjp
-def _grad_qdq(y: jax.Array) -> jax.Array:
-    return y
+def _scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax.Array,
+                dtype: jnp.dtype) -> jax.Array:
+    """einsum(spec) of two fp8 arrays with fp32 accumulation, rescaled, in `dtype`."""
+    dims, perm = _dot_plan(spec)
+    out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=jnp.float32)
+    if perm != tuple(range(len(perm))):
+        out = jnp.transpose(out, perm)
+    return (out * (sx * sy)).astype(dtype)
 
 
-_grad_qdq.defvjp(lambda y: (y, None), lambda _, g: (_qdq(g, E5M2),))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _forward(spec, x, w)[0]
+
+
+def _forward(spec, x, w):
+    x_q, sx = quantize(x, E4M3)
+    w_q, sw = quantize(w, E4M3)
+    return _scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
+
+
+def _backward(spec, residuals, dy):
+    x_q, sx, w_q, sw = residuals
+    a, b, out = _operands(spec)
+    dy_q, sdy = quantize(dy, E5M2)
+    dx = _scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype)
+    dw = _scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
+    return dx, dw
+
+
+_fp8_einsum.defvjp(_forward, _backward)
+
+
+def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool) -> jax.Array:
+    """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
+    ('qkv', 'attn_out', 'mlp_in', 'mlp_out', 'expert_in', 'expert_out'). XLA keeps the scope in
+    the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
+    tells which layer each GEMM belongs to."""
+    with jax.named_scope(name):
+        return fp8_einsum(spec, x, w) if fp8 else jnp.einsum(spec, x, w)
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """`jnp.einsum(spec, x, w)` with e4m3 operands forward and an e5m2 gradient backward."""
-    return _grad_qdq(jnp.einsum(spec, _fwd_qdq(x), _fwd_qdq(w)))
+    """`jnp.einsum(spec, x, w)` as fp8 GEMMs: e4m3 operands forward, an e5m2 gradient backward.
+    x and w share the compute dtype (the model casts its weights), which is also the output's."""
+    _operands(spec)
+    return _fp8_einsum(spec, x, w.astype(x.dtype))

@@ -203,29 +203,67 @@ _GEMM_TARGET = re.compile(r'custom_call_target="__cu(?:blas|dnn)\$[\w$]*(?:gemm|
 _FP8 = re.compile(r"\bf8e[45]m[23]\w*\[")
 
 
+_GEMM_FUSION = re.compile(r'\bkind=kCustom\b.*"fusion_backend_config":\{"kind":"__\w*gemm')  # Triton GEMMs
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_ARRAY_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ([a-z][a-z0-9]*\[[^\]]*\])", re.M)
+# The named scopes jaxgpt puts around its GEMMs (jaxgpt/fp8.py `linear`, jaxgpt/loss.py)
+BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_out", "expert_in", "expert_out")
+LAYERS = (*BLOCK_LINEARS, "head")
+
+
 def _gemm_calls(hlo: str):
-    """(instruction line, its operands' text) for every GEMM call. Compiled HLO often names a
+    """(instruction line, its operands' text) for every GEMM call: a cuBLAS/cuDNN GEMM custom call
+    or a GEMM fusion (Triton), not a fusion that merely consumes one. Compiled HLO often names a
     fusion's operands without their types; the fused computation's parameters carry them."""
     signatures = {m.group(1): m.group(2) for m in re.finditer(r"^%?([\w.\-]+) \((.*)\) -> ", hlo, re.M)}
+    types = {m.group(1): m.group(2) for m in _ARRAY_RESULT.finditer(hlo)}  # instruction -> its array type
     for line in hlo.splitlines():
-        if _GEMM_TARGET.search(line) or ("kind=kCustom" in line and "gemm" in line and " fusion(" in line):
+        if _GEMM_TARGET.search(line) or (" fusion(" in line and _GEMM_FUSION.search(line)):
             call = re.search(r"(?:custom-call|fusion)\(([^)]*)\)", line)  # the operands, not a tuple result
             operands = call.group(1) if call else ""
+            operands += " " + " ".join(types.get(name, "") for name in re.findall(r"%([\w.\-]+)", operands))
             if callee := re.search(r"\bcalls=%?([\w.\-]+)", line):
                 operands += " " + signatures.get(callee.group(1), "")
             yield line, operands
 
 
+def _is_fp8(line: str, operands: str) -> bool:
+    return "$f8" in line or bool(_FP8.search(operands))
+
+
 def gemm_counts(hlo: str) -> dict[str, int]:
     """GEMM library calls in XLA:GPU's compiled HLO: {'fp8': n, 'other': m}.
 
-    jaxgpt's fp8 matmuls are quantize-dequantize around an ordinary dot (jaxgpt/fp8.py); XLA:GPU's
-    GEMM rewriter turns that pattern into a cuBLASLt fp8 call (`__cublas$lt$matmul$f8`), and a GEMM
-    fusion with fp8 operands counts too. If fp8 is on and 'fp8' is 0, the rewrite did not happen and
-    the matmuls ran in bf16. XLA:CPU has neither, so both counts are 0 there."""
+    jaxgpt's fp8 matmuls are dots with fp8 operands (jaxgpt/fp8.py); XLA:GPU compiles them to a
+    cuBLASLt fp8 call (`__cublas$lt$matmul$f8`) or a Triton GEMM fusion whose operands are fp8
+    (what it picks without autotuning, i.e. in a deviceless compile). Both count as fp8. A loop
+    body's call counts once, as written. XLA:CPU has neither, so both counts are 0 there."""
     out = {"fp8": 0, "other": 0}
     for line, operands in _gemm_calls(hlo):
-        out["fp8" if "$f8" in line or _FP8.search(operands) else "other"] += 1
+        out["fp8" if _is_fp8(line, operands) else "other"] += 1
+    return out
+
+
+class Gemm(NamedTuple):
+    layer: str   # one of LAYERS, or "other" (a GEMM outside jaxgpt's named scopes)
+    role: str    # "forward", "recompute" (a forward GEMM rerun in the backward pass by remat), "backward"
+    fp8: bool
+
+
+def gemm_layers(hlo: str) -> list[Gemm]:
+    """Every GEMM call of the compiled HLO with the layer it belongs to, read from the named scope
+    in its op_name metadata. A GEMM under `transpose(...)` is backward work; one there whose
+    operands are all e4m3 is a forward GEMM that remat recomputes (gradients are e5m2)."""
+    out = []
+    for line, operands in _gemm_calls(hlo):
+        name = m.group(1) if (m := _OP_NAME.search(line)) else ""
+        scopes = name.split("/")
+        layer = next((s for s in reversed(scopes) if s in LAYERS), "other")
+        fp8 = _is_fp8(line, operands)
+        role = "forward"
+        if "transpose(" in name:
+            role = "recompute" if fp8 and "f8e5m2" not in operands else "backward"
+        out.append(Gemm(layer, role, fp8))
     return out
 
 

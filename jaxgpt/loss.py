@@ -96,6 +96,7 @@ def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
     """Summed loss over the chunks (the primal: evaluation, no gradients)."""
     wte_VD = _gathered(wte_VD, dtype)
 
+    @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
     def body(_, chunk):
         x_BtD, labels_Bt = chunk
         return None, _cross_entropy(head_logits(x_BtD, wte_VD, vocab_size, dtype), labels_Bt)[0]
@@ -111,6 +112,7 @@ def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
     param_VD, wte_VD = wte_VD, _gathered(wte_VD, dtype)
 
+    @jax.named_scope("head")
     def body(dwte_SVD, chunk):
         x_BtD, labels_Bt = chunk
         logits_BtV = head_logits(x_BtD, wte_VD, vocab_size, dtype)

@@ -51,7 +51,7 @@ from flax import nnx
 
 from jaxgpt.attention import causal_attention, select_kernel
 from jaxgpt.config import ModelConfig
-from jaxgpt.fp8 import fp8_einsum
+from jaxgpt.fp8 import linear
 from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import shard
 from jaxgpt.moe import MoEStats, moe_mlp
@@ -123,13 +123,13 @@ class Attention(nnx.Module):
         self.c_proj_kernel = _param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
         self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim)
-        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
+        self.fp8 = cfg.fp8
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
         """Training: x -> y. Decoding (kv given): the T new positions start at `pos`; they attend
         to the cache [B, S, H, K] updated with their own keys/values; returns (y, new kv)."""
         dt = x_BTD.dtype
-        qkv_BT3HK = self.einsum("btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt))
+        qkv_BT3HK = linear("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt), self.fp8)
         qkv_BT3HK = qkv_BT3HK + self.c_attn_bias[...].astype(dt)
         qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
         q_BTHK, k_BTHK, v_BTHK = (qkv_BT3HK[:, :, i] for i in range(3))
@@ -143,7 +143,7 @@ class Attention(nnx.Module):
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSHK.astype(dt), v_BSHK.astype(dt),
                                                     mask=visible_TS[None, None], implementation="xla")
             kv = KV(k_BSHK, v_BSHK)
-        y_BTD = self.einsum("bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt))
+        y_BTD = linear("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt), self.fp8)
         y_BTD = y_BTD + self.c_proj_bias[...].astype(dt)
         return y_BTD if kv is None else (y_BTD, kv)
 
@@ -155,13 +155,13 @@ class MLP(nnx.Module):
         self.c_fc_bias = _param(rngs, (F,), ("mlp",), None)
         self.c_proj_kernel = _param(rngs, (F, D), ("mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = _param(rngs, (D,), ("embed",), None)
-        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
+        self.fp8 = cfg.fp8
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         dt = x_BTD.dtype
-        h_BTF = self.einsum("btd,df->btf", x_BTD, self.c_fc_kernel[...].astype(dt)) + self.c_fc_bias[...].astype(dt)
+        h_BTF = linear("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel[...].astype(dt), self.fp8) + self.c_fc_bias[...].astype(dt)
         h_BTF = shard(jax.nn.gelu(h_BTF, approximate=True), "batch", "seq", "act_mlp")
-        return self.einsum("btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt)) + self.c_proj_bias[...].astype(dt)
+        return linear("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt), self.fp8) + self.c_proj_bias[...].astype(dt)
 
 
 class MoE(nnx.Module):
@@ -175,12 +175,12 @@ class MoE(nnx.Module):
         self.c_fc_bias = _param(rngs, (E, F), ("experts", "mlp"), None)
         self.c_proj_kernel = _param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = _param(rngs, (E, D), ("experts", "embed"), None)
-        self.einsum = fp8_einsum if cfg.fp8 else jnp.einsum
+        self.fp8 = cfg.fp8
 
     def __call__(self, x_BTD: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEStats]:
         return moe_mlp(x_BTD, self.router_kernel[...], self.c_fc_kernel[...], self.c_fc_bias[...],
                        self.c_proj_kernel[...], self.c_proj_bias[...], top_k=self.cfg.moe_top_k,
-                       capacity_factor=self.cfg.moe_capacity_factor, drop=drop, einsum=self.einsum)
+                       capacity_factor=self.cfg.moe_capacity_factor, drop=drop, fp8=self.fp8)
 
 
 class Block(nnx.Module):

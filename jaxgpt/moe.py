@@ -50,12 +50,12 @@ jaxgpt/step.py with model.moe_aux_coef and model.moe_z_coef):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.fp8 import linear
 from jaxgpt.mesh import shard
 
 
@@ -108,7 +108,7 @@ def route(logits_GSE: jax.Array, top_k: int, slots: int) -> tuple[jax.Array, jax
 
 def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, fc_EDF: jax.Array, fc_bias_EF: jax.Array,
             proj_EFD: jax.Array, proj_bias_ED: jax.Array, *, top_k: int, capacity_factor: float,
-            drop: bool = True, einsum: Callable = jnp.einsum) -> tuple[jax.Array, MoEStats]:
+            drop: bool = True, fp8: bool = False) -> tuple[jax.Array, MoEStats]:
     """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
     (sampling) gives every expert room for the whole group, so no assignment is dropped and a
     prompt decodes the same token by token as at once."""
@@ -122,9 +122,9 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, fc_EDF: jax.Array, fc_bias_E
     combine_GSEC = shard(combine_GSEC.astype(dt), "batch", "seq", "router", None)
     # batch-split groups -> expert-split experts: the all-to-all over ep
     x_EGCD = shard(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_BTD), "experts", "expert_batch", None, "act_embed")
-    h_EGCF = einsum("egcd,edf->egcf", x_EGCD, fc_EDF.astype(dt)) + fc_bias_EF.astype(dt)[:, None, None, :]
+    h_EGCF = linear("expert_in", "egcd,edf->egcf", x_EGCD, fc_EDF.astype(dt), fp8) + fc_bias_EF.astype(dt)[:, None, None, :]
     h_EGCF = shard(jax.nn.gelu(h_EGCF, approximate=True), "experts", "expert_batch", None, "act_mlp")
-    y_EGCD = einsum("egcf,efd->egcd", h_EGCF, proj_EFD.astype(dt)) + proj_bias_ED.astype(dt)[:, None, None, :]
+    y_EGCD = linear("expert_out", "egcf,efd->egcd", h_EGCF, proj_EFD.astype(dt), fp8) + proj_bias_ED.astype(dt)[:, None, None, :]
     y_EGCD = shard(y_EGCD, "experts", "expert_batch", None, "act_embed")
     # and back: the second all-to-all
     y_BTD = shard(jnp.einsum("gsec,egcd->gsd", combine_GSEC, y_EGCD), "batch", "seq", "act_embed")

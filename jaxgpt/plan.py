@@ -29,6 +29,7 @@ it chose and why.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import os
 import sys
@@ -113,10 +114,12 @@ class Compiled(NamedTuple):
     seconds: float         # tracing + compiling
 
 
-def compile_step(cfg: Config, devices: Sequence, target: str | None = None) -> Compiled:
+def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
+                 compiler_options: dict[str, Any] | None = None) -> Compiled:
     """jaxgpt.step's train step for `devices`, compiled ahead of time from shapes alone.
 
-    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target)."""
+    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target).
+    compiler_options: XLA debug options for this compile (e.g. {'xla_gpu_enable_triton_gemm': False})."""
     import jax
 
     from jaxgpt.attention import select_kernel
@@ -136,8 +139,15 @@ def compile_step(cfg: Config, devices: Sequence, target: str | None = None) -> C
         setup = make_setup(cfg, mesh)
         state, batch = abstract_inputs(cfg, mesh, setup)
         with jax.set_mesh(mesh):
-            compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile()
+            compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile(compiler_options)
     return Compiled(compiled, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started)
+
+
+def _not_fp8(text: str) -> list[str]:
+    """The block GEMMs that model.fp8=true should have made fp8 but XLA did not, e.g. ['qkv backward x2']."""
+    missed = collections.Counter(f"{g.layer} {g.role}" for g in hlo.gemm_layers(text)
+                                 if g.layer in hlo.BLOCK_LINEARS and not g.fp8)
+    return [name + (f" x{n}" if n > 1 else "") for name, n in sorted(missed.items())]
 
 
 def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
@@ -160,7 +170,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
     return {
         "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat,
         "attention": {"kernel": kernel, "why": why, "fused_calls": hlo.fused_attention_counts(text)},
-        "gemm_calls": hlo.gemm_counts(text),
+        "gemm_calls": hlo.gemm_counts(text), "not_fp8": _not_fp8(text) if cfg.model.fp8 else [],
         "mesh": sizes, "devices": len(devices), "platform": devices[0].platform,
         "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(dtype).name,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
@@ -204,10 +214,13 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
         lines.append(f"note: compiled by XLA:GPU for compile-only {p['device_kind']} devices (--target "
                      f"{p['target']}; no GPU here, so no autotuning: GEMM kernel choices may differ)")
     a, gemm = p["attention"], p["gemm_calls"]
-    no_fp8 = m.fp8 and p["platform"] != "cpu" and not gemm["fp8"]
+    no_fp8 = ""
+    if m.fp8 and p["platform"] != "cpu" and (not gemm["fp8"] or p["not_fp8"]):
+        no_fp8 = f" (model.fp8=true, but XLA formed {'no fp8 GEMM' if not gemm['fp8'] else 'some block GEMMs in bf16'}" \
+                 f"{': ' + ', '.join(p['not_fp8']) if p['not_fp8'] else ''})"
     lines.append(f"attention: {a['kernel']} ({a['why']}) | fused attention calls: {a['fused_calls']['forward']} "
                  f"forward, {a['fused_calls']['backward']} backward | GEMM calls: {gemm['fp8']} fp8, "
-                 f"{gemm['other']} other{' (model.fp8=true, but XLA formed no fp8 GEMM)' if no_fp8 else ''}")
+                 f"{gemm['other']} other{no_fp8}")
     lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | compile "
                  f"{p['compile_seconds']:.1f} s")
     if p["platform"] == "cpu":

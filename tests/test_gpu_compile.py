@@ -11,6 +11,7 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
@@ -21,24 +22,27 @@ from helpers import REPO, TINY, tiny_config
 
 from jaxgpt.config import load_config
 from jaxgpt.gpu.target import INSTALL, compile_only_devices, device_memory_bytes, plugin_missing_reason
-from jaxgpt.hlo import collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts, while_bodies
+from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts,
+                        gemm_layers, while_bodies)
 from jaxgpt.plan import compile_step, plan
 
 needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
                                   reason=f"needs the CUDA plugin to compile for H100: {INSTALL}")
 
 # (mesh, overrides): every axis alone and in products, grad_accum 1 and > 1, fp8 on and off, each remat policy
+FP8 = "model.fp8=true"
 TINY_LAYOUTS = {
-    "dp8_accum2_fp8": ("dp=8", ["train.grad_accum=2", "model.fp8=true"]),
-    "fsdp8_remat_full": ("fsdp=8", ["model.remat=full"]),
-    "dp2_fsdp4_accum2": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots"]),
-    "dp4_tp2_remat_dots_no_batch": ("dp=4,tp=2", ["model.remat=dots_no_batch"]),
-    "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", "model.fp8=true"]),
+    "dp8_accum2_fp8": ("dp=8", ["train.grad_accum=2", FP8]),
+    "fsdp8_remat_full_fp8": ("fsdp=8", ["model.remat=full", FP8]),
+    "dp2_fsdp4_accum2_remat_dots_fp8": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots", FP8]),
+    "dp4_tp2_remat_dots_no_batch_fp8": ("dp=4,tp=2", ["model.remat=dots_no_batch", FP8]),
+    "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", FP8]),
     "dp2_ep4_moe_accum2": ("dp=2,ep=4", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2"]),
     "pp2_dp2_tp2": ("pp=2,dp=2,tp=2", ["model.n_layer=4"]),
-    "pp2_fsdp4_circular_accum2_remat_full": ("pp=2,fsdp=4", ["model.n_layer=4", "pipeline.repeats=2",
-                                                             "train.grad_accum=2", "model.remat=full"]),
+    "pp2_fsdp4_circular_accum2_remat_full_fp8": ("pp=2,fsdp=4", ["model.n_layer=4", "pipeline.repeats=2",
+                                                                 "train.grad_accum=2", "model.remat=full", FP8]),
 }
+FP8_LAYOUTS = [name for name, (_, overrides) in TINY_LAYOUTS.items() if FP8 in overrides]
 GPT2 = ["model.n_layer=2", "model.remat=none"]
 
 
@@ -88,10 +92,10 @@ def test_pipeline_stages_pass_activations_with_collective_permutes(tiny):
     """jaxgpt/pipeline.py on XLA:GPU: the stage shift is a collective-permute inside the schedule's
     loop (forward and backward); GPipe moves no weights (no all-to-all), the circular schedule
     reorders the block weights into stage-major order and back with all-to-alls."""
-    for name in ("pp2_dp2_tp2", "pp2_fsdp4_circular_accum2_remat_full"):
+    for name in ("pp2_dp2_tp2", "pp2_fsdp4_circular_accum2_remat_full_fp8"):
         assert sum(collectives(body)["collective-permute"] >= 1 for body in while_bodies(tiny[name])) >= 2, name
     assert collectives(tiny["pp2_dp2_tp2"])["all-to-all"] == 0
-    assert collectives(tiny["pp2_fsdp4_circular_accum2_remat_full"])["all-to-all"] > 0
+    assert collectives(tiny["pp2_fsdp4_circular_accum2_remat_full_fp8"])["all-to-all"] > 0
 
 
 @needs_plugin
@@ -133,31 +137,66 @@ def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
 
 @needs_plugin
 def test_tp_collectives_sit_inside_the_layer_loop(tiny):
-    for name in ("dp4_tp2_remat_dots_no_batch", "dp2_fsdp2_tp2_accum2_fp8"):
+    for name in ("dp4_tp2_remat_dots_no_batch_fp8", "dp2_fsdp2_tp2_accum2_fp8"):
         tp_in_loops = [op for op in collective_ops(tiny[name])[0] if op.kind == "all-reduce" and op.times >= 2]
         assert tp_in_loops, name  # the 2 layers' row-parallel partial sums
 
 
+def _block_gemms(text: str) -> collections.Counter:
+    """(layer, role) -> how many GEMM calls of the blocks' linear layers the HLO writes (a loop
+    body's once); asserts that each is fp8."""
+    block = [g for g in gemm_layers(text) if g.layer in BLOCK_LINEARS]
+    assert block and all(g.fp8 for g in block), [g for g in block if not g.fp8]
+    return collections.Counter((g.layer, g.role) for g in block)
+
+
 @needs_plugin
-@pytest.mark.xfail(strict=True, reason="XLA:GPU does not form fp8 GEMMs from jaxgpt/fp8.py's quantize-"
-                   "dequantize pattern: the f8 round trip is simplified away or left as a separate bf16 "
-                   "multiply (docs/benchmarks.md)")
-def test_fp8_operands_reach_the_gemms(tiny):
-    for name in ("dp8_accum2_fp8", "dp2_fsdp2_tp2_accum2_fp8"):
-        assert fp8_gemm_operand_types(tiny[name]) >= {"f8e4m3fn", "f8e5m2"}, name
+def test_fp8_runs_every_block_gemm_in_fp8_on_every_layout(tiny):
+    """model.fp8=true under dp, fsdp, tp, their products, pp (circular), grad_accum > 1 and every
+    remat policy: each of the four block linears has its forward GEMM (e4m3 x e4m3), both gradient
+    GEMMs (dx and dw, with the e5m2 gradient) and, under remat=full, the recomputed forward GEMMs
+    in fp8 (qkv, attn_out and mlp_in, whose outputs the backward pass needs; mlp_out's is not
+    recomputed). The only GEMMs left in bf16 are the tied head's (attention is cuDNN's kernel)."""
+    for name in FP8_LAYOUTS:
+        text = tiny[name]
+        count = _block_gemms(text)
+        for layer in ("qkv", "attn_out", "mlp_in", "mlp_out"):
+            assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (name, layer, count)
+        recomputed = {layer for layer, role in count if role == "recompute"}
+        assert recomputed == ({"qkv", "attn_out", "mlp_in"} if "model.remat=full" in TINY_LAYOUTS[name][1] else set())
+        assert {g.layer for g in gemm_layers(text) if not g.fp8} == {"head"}, name
+        assert fp8_gemm_operand_types(text) == {"f8e4m3fn", "f8e5m2"}, name
+    # one layer loop forward and one backward: exactly 4 forward and 8 backward block GEMMs
+    assert sum(_block_gemms(tiny["dp8_accum2_fp8"]).values()) == 12
+    assert collections.Counter(g.role for g in gemm_layers(tiny["dp8_accum2_fp8"])) == {"forward": 7, "backward": 8}
+
+
+@needs_plugin
+def test_fp8_gemms_are_cublaslt_fp8_calls_when_cublas_is_chosen(h100s):
+    """Without a device XLA:GPU cannot autotune and writes Triton GEMM fusions (fp8 operands, as
+    above); on a real H100 the autotuner may pick cuBLASLt instead. With Triton GEMMs off, every
+    block GEMM is a cuBLASLt fp8 call (`__cublas$lt$matmul$f8`): the fp8 dots survive that route
+    too, and the target description carries the CUDA toolkit version that the rewrite needs."""
+    c = compile_step(tiny_config("model.fp8=true", mesh="dp=8"), h100s, "h100",
+                     compiler_options={"xla_gpu_enable_triton_gemm": False})
+    text = c.compiled.as_text()
+    assert _block_gemms(text) == {(layer, role): n for layer in ("qkv", "attn_out", "mlp_in", "mlp_out")
+                                  for role, n in (("forward", 1), ("backward", 2))}
+    assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 12
 
 
 @needs_plugin
 def test_plan_command_for_8_h100():
     """The user's command: a plan from XLA:GPU with cuDNN attention, fitting an H100."""
     proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
-                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "model.remat=auto"],
+                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "model.remat=auto", "model.fp8=true"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "cudart_stub" not in proc.stderr and "absl::InitializeLog" not in proc.stderr  # jaxgpt/_quiet.py
     out = proc.stdout
     assert "on 8 gpu devices (NVIDIA H100 80GB HBM3)" in out and "compiled by XLA:GPU" in out
     assert "attention: cudnn" in out and "fused attention calls: 1 forward, 1 backward" in out
+    assert "GEMM calls: 12 fp8, 3 other\n" in out  # the blocks' 4 forward + 8 backward; the head's 3
     assert "remat: none (auto: none, the least recompute that fits 79.1 GiB" in out
     assert f"{device_memory_bytes('h100') / 2**20:,.1f}   fits" in out
     assert "reduce-scatter" in out
