@@ -85,6 +85,8 @@ class ModelConfig:
     attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
                         ("auto", "xla", "cudnn"))
     fp8: bool = _f(False, "run the blocks' linear layers as fp8 matmuls (e4m3 forward, e5m2 gradients)")
+    fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
+                        "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
                     "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
                     "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))

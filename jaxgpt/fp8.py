@@ -11,8 +11,9 @@ largest value, and the GEMM's fp32 result is multiplied back by both scales. The
 from the tensor itself on every step: one reduction per operand, but no state (nothing to
 checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
 Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
-train step's `shard_map` (jaxgpt/step.py) the manual axes are split by hand, so an explicit `pmax`
-over them makes it global there too: one scale per tensor on every layout.
+train step's `shard_map` (jaxgpt/step.py) the manual dp axis is split by hand, so an explicit
+`pmax` over it makes it global there too: one scale per tensor on every layout. (pp, also manual
+in a pipelined step, holds different layers per stage: no pmax over it.)
 
 Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with an fp32
 `preferred_element_type`, then `* scale_x * scale_w` and a cast to the compute dtype. XLA:GPU's
@@ -31,9 +32,11 @@ forward pass (e5m2 x e4m3: cuBLASLt does not take e5m2 x e5m2). The residuals ke
 backward pass are the fp8 operands and their scales: half the bytes of bf16 activations.
 
 Which layers. QKV, attention-out, MLP-in and MLP-out (and the MoE experts' two): the matmuls that
-hold ~all of a transformer block's FLOPs. The embedding lookup and the tied output head stay in
-the compute dtype: the head sets the logits' precision, and nanochat and MaxText keep it out of
-fp8 too. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the attention kernel.
+hold ~all of a transformer block's FLOPs. The embedding lookup and, by default, the tied output
+head stay in the compute dtype: the head sets the logits' precision, and MaxText keeps it out of
+fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/loss.py: its three GEMMs per chunk,
+with `quantize` and `scaled_dot` from here), as the fastest GPT-2 speedruns do; for gpt2-124m the
+head is ~30% of the FLOPs. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the kernel.
 """
 
 from __future__ import annotations
@@ -50,7 +53,10 @@ def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     """x -> (q in `fp8`, fp32 scale) with x ~= q * scale and max|q| = the format's max."""
     fmax = float(jnp.finfo(fp8).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    if manual := tuple(jax.sharding.get_abstract_mesh().manual_axes):
+    # Manual axes that split this tensor's rows (dp: the batch) need a pmax for one scale per
+    # tensor. pp does not: each stage holds other layers and works on another micro-batch, so
+    # its tensors are other tensors, not shards of the same one.
+    if manual := tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a != "pp"):
         amax = jax.lax.pmax(amax, manual)  # one scale for the whole tensor, as on any other layout
     scale = jnp.where(amax > 0, amax / fmax, 1.0)
     q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8)
@@ -81,7 +87,7 @@ def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
     return dims, tuple(result.index(c) for c in out)
 
 
-def _scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax.Array,
+def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax.Array,
                 dtype: jnp.dtype) -> jax.Array:
     """einsum(spec) of two fp8 arrays with fp32 accumulation, rescaled, in `dtype`."""
     dims, perm = _dot_plan(spec)
@@ -99,15 +105,15 @@ def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
 def _forward(spec, x, w):
     x_q, sx = quantize(x, E4M3)
     w_q, sw = quantize(w, E4M3)
-    return _scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
+    return scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
 
 
 def _backward(spec, residuals, dy):
     x_q, sx, w_q, sw = residuals
     a, b, out = _operands(spec)
     dy_q, sdy = quantize(dy, E5M2)
-    dx = _scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype)
-    dw = _scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
+    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype)
+    dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
     return dx, dw
 
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
+from jaxgpt.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import MESH_AXES, RULES, shard
 from jaxgpt.model import head_logits
@@ -88,47 +89,80 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
     t = chunk_positions(cfg, _rows_per_device(B))
     x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
     labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
-    return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype) / (B * T)
+    return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype, cfg.fp8_head) / (B * T)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
+class _Head:
+    """The head's table as its GEMMs take it: in the compute dtype, or (model.fp8_head) in e4m3
+    with its per-tensor scale, quantized once per step before the chunk loop."""
+
+    def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool):
+        self.vocab_size, self.dtype, self.fp8 = vocab_size, dtype, fp8
+        self.wte_VD = _gathered(wte_VD, dtype)
+        if fp8:
+            self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
+
+    def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
+        """fp32 logits [B, t, V] of one chunk, and what its gradient GEMMs reuse (x in e4m3)."""
+        if not self.fp8:
+            return head_logits(x_BtD, self.wte_VD, self.vocab_size, self.dtype), (x_BtD.astype(self.dtype), None)
+        x_q_BtD, s_x = quantize(x_BtD, E4M3)
+        logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, jnp.float32)
+        logits_BtV = shard(logits_BtV, "batch", "seq", "act_vocab")
+        is_real_V = jnp.arange(self.wte_VD.shape[0]) < self.vocab_size
+        return jnp.where(is_real_V, logits_BtV, -jnp.inf), (x_q_BtD, s_x)
+
+    def grads(self, dlogits_BtV: jax.Array, x_saved: tuple, S: int) -> tuple[jax.Array, jax.Array]:
+        """(dx [B, t, D] = dlogits @ wte, dwte per batch shard [S, V, D] = dlogits^T x), fp32."""
+        x_BtD, s_x = x_saved
+        B, t = x_BtD.shape[:2]
+        dlogits_SbtV = shard(dlogits_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
+        x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
+        if not self.fp8:
+            dx_BtD = jnp.einsum("btv,vd->btd", dlogits_BtV, self.wte_VD, preferred_element_type=jnp.float32)
+            return dx_BtD, jnp.einsum("sbtv,sbtd->svd", dlogits_SbtV, x_SbtD, preferred_element_type=jnp.float32)
+        dlogits_q_BtV, s_d = quantize(dlogits_BtV, E5M2)  # one scale for the chunk, as x's
+        dlogits_q_SbtV = shard(dlogits_q_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
+        dx_BtD = scaled_dot("btv,vd->btd", dlogits_q_BtV, s_d, self.wte_q_VD, self.s_wte, jnp.float32)
+        return dx_BtD, scaled_dot("sbtv,sbtd->svd", dlogits_q_SbtV, s_d, x_SbtD, s_x, jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8):
     """Summed loss over the chunks (the primal: evaluation, no gradients)."""
-    wte_VD = _gathered(wte_VD, dtype)
+    head = _Head(wte_VD, vocab_size, dtype, fp8)
 
     @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
     def body(_, chunk):
         x_BtD, labels_Bt = chunk
-        return None, _cross_entropy(head_logits(x_BtD, wte_VD, vocab_size, dtype), labels_Bt)[0]
+        return None, _cross_entropy(head.logits(x_BtD)[0], labels_Bt)[0]
 
     return jnp.sum(jax.lax.scan(body, None, (x_CBtD, labels_CBt))[1])
 
 
-def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype):
+def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8):
     """The loss and, chunk by chunk, its gradients: dlogits = softmax - one_hot, then
     dx = dlogits @ wte and dwte += dlogits^T x. Same FLOPs as autodiff, no recompute; the
     gradients are the residuals, so the backward pass only scales them."""
     B, t = x_CBtD.shape[1:3]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
-    param_VD, wte_VD = wte_VD, _gathered(wte_VD, dtype)
+    param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8)
 
     @jax.named_scope("head")
     def body(dwte_SVD, chunk):
         x_BtD, labels_Bt = chunk
-        logits_BtV = head_logits(x_BtD, wte_VD, vocab_size, dtype)
+        logits_BtV, x_saved = head.logits(x_BtD)
         loss_B, lse_Bt, is_label_BtV = _cross_entropy(logits_BtV, labels_Bt)
         dlogits_BtV = (jnp.exp(logits_BtV - lse_Bt[..., None]) - is_label_BtV).astype(dtype)
         dlogits_BtV = shard(dlogits_BtV, "batch", "seq", "act_vocab")
-        dx_BtD = jnp.einsum("btv,vd->btd", dlogits_BtV, wte_VD.astype(dtype), preferred_element_type=jnp.float32)
-        dlogits_SbtV = shard(dlogits_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
-        x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1).astype(dtype), "batch", None, "seq", "act_embed")
-        dwte_SVD = dwte_SVD + jnp.einsum("sbtv,sbtd->svd", dlogits_SbtV, x_SbtD, preferred_element_type=jnp.float32)
+        dx_BtD, dwte_chunk_SVD = head.grads(dlogits_BtV, x_saved, S)
+        dwte_SVD = dwte_SVD + dwte_chunk_SVD
         return shard(dwte_SVD, "batch", "vocab", None), (loss_B, dx_BtD.astype(x_BtD.dtype))
 
     # A [V, D] carry would be all-reduced over the batch axes in every chunk (GSPMD has no
     # partial-sum carry); one partial sum per batch shard, summed once after the loop, is one
     # reduction per step. full_like keeps wte's type (dp-varying inside the dp shard_map).
-    zeros_SVD = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, *wte_VD.shape)), "batch", "vocab", None)
+    zeros_SVD = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, *param_VD.shape)), "batch", "vocab", None)
     dwte_SVD, (losses_CB, dx_CBtD) = jax.lax.scan(body, zeros_SVD, (x_CBtD, labels_CBt))
     # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
     # all-reduce of the whole table followed by a slice.
@@ -142,7 +176,7 @@ def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return shard(wte_VD.astype(dtype), "vocab", None)
 
 
-def _head_loss_bwd(vocab_size, dtype, residuals, g):
+def _head_loss_bwd(vocab_size, dtype, fp8, residuals, g):
     dx_CBtD, dwte_VD, labels_CBt = residuals
     int_zero = np.zeros(labels_CBt.shape, jax.dtypes.float0)  # integer labels have no gradient
     return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, int_zero

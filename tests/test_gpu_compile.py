@@ -36,7 +36,7 @@ TINY_LAYOUTS = {
     "fsdp8_remat_full_fp8": ("fsdp=8", ["model.remat=full", FP8]),
     "dp2_fsdp4_accum2_remat_dots_fp8": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots", FP8]),
     "dp4_tp2_remat_dots_no_batch_fp8": ("dp=4,tp=2", ["model.remat=dots_no_batch", FP8]),
-    "dp2_fsdp2_tp2_accum2_fp8": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", FP8]),
+    "dp2_fsdp2_tp2_accum2_fp8_head": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", FP8, "model.fp8_head=true"]),
     "dp2_ep4_moe_accum2": ("dp=2,ep=4", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2"]),
     "pp2_dp2_tp2": ("pp=2,dp=2,tp=2", ["model.n_layer=4"]),
     "pp2_fsdp4_circular_accum2_remat_full_fp8": ("pp=2,fsdp=4", ["model.n_layer=4", "pipeline.repeats=2",
@@ -137,7 +137,7 @@ def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
 
 @needs_plugin
 def test_tp_collectives_sit_inside_the_layer_loop(tiny):
-    for name in ("dp4_tp2_remat_dots_no_batch_fp8", "dp2_fsdp2_tp2_accum2_fp8"):
+    for name in ("dp4_tp2_remat_dots_no_batch_fp8", "dp2_fsdp2_tp2_accum2_fp8_head"):
         tp_in_loops = [op for op in collective_ops(tiny[name])[0] if op.kind == "all-reduce" and op.times >= 2]
         assert tp_in_loops, name  # the 2 layers' row-parallel partial sums
 
@@ -156,7 +156,8 @@ def test_fp8_runs_every_block_gemm_in_fp8_on_every_layout(tiny):
     remat policy: each of the four block linears has its forward GEMM (e4m3 x e4m3), both gradient
     GEMMs (dx and dw, with the e5m2 gradient) and, under remat=full, the recomputed forward GEMMs
     in fp8 (qkv, attn_out and mlp_in, whose outputs the backward pass needs; mlp_out's is not
-    recomputed). The only GEMMs left in bf16 are the tied head's (attention is cuDNN's kernel)."""
+    recomputed). The only GEMMs left in bf16 are the tied head's (attention is cuDNN's kernel),
+    and with model.fp8_head=true (under dp x fsdp x tp, the vocabulary split over tp) none is."""
     for name in FP8_LAYOUTS:
         text = tiny[name]
         count = _block_gemms(text)
@@ -164,7 +165,9 @@ def test_fp8_runs_every_block_gemm_in_fp8_on_every_layout(tiny):
             assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (name, layer, count)
         recomputed = {layer for layer, role in count if role == "recompute"}
         assert recomputed == ({"qkv", "attn_out", "mlp_in"} if "model.remat=full" in TINY_LAYOUTS[name][1] else set())
-        assert {g.layer for g in gemm_layers(text) if not g.fp8} == {"head"}, name
+        fp8_head = "model.fp8_head=true" in TINY_LAYOUTS[name][1]
+        assert {g.layer for g in gemm_layers(text) if not g.fp8} == (set() if fp8_head else {"head"}), name
+        assert sum(g.layer == "head" for g in gemm_layers(text)) == 3, name  # logits, dx, dwte (chunk loop)
         assert fp8_gemm_operand_types(text) == {"f8e4m3fn", "f8e5m2"}, name
     # one layer loop forward and one backward: exactly 4 forward and 8 backward block GEMMs
     assert sum(_block_gemms(tiny["dp8_accum2_fp8"]).values()) == 12

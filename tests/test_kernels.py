@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -178,6 +179,32 @@ def test_fp8_training_stays_close(fp32_losses, tmp_path):
     np.testing.assert_allclose(fp8, fp32_losses, rtol=0.01)
 
 
+def test_fp8_head_loss_and_gradients_track_the_exact_head():
+    """model.fp8_head: the fused head + loss with e4m3 logits GEMM and e5m2 x e4m3 gradient GEMMs
+    against the same loss in float32, on a default-run-shaped head (D 128, the GPT-2 vocabulary).
+    The loss moves by less than e4m3's relative rounding (2^-4) times the logits' spread, and the
+    gradients by e5m2's (2^-3) relative error in norm; all three GEMMs of the chunk are fp8."""
+    from jaxgpt.loss import chunked_cross_entropy
+    cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16").model
+    keys = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(keys[0], (4, 64, 128), jnp.float32)
+    wte = jax.random.normal(keys[1], (50304, 128), jnp.float32) * 0.02
+    labels = jax.random.randint(keys[2], (4, 64), 0, cfg.vocab_size)
+
+    def loss(fp8_head):
+        c = dataclasses.replace(cfg, fp8_head=fp8_head)
+        return jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels, c, jnp.float32), argnums=(0, 1))
+
+    (l8, (dx8, dw8)), (l, (dx, dw)) = jax.jit(loss(True))(x, wte), jax.jit(loss(False))(x, wte)
+    logits_std = float(jnp.std(jnp.einsum("btd,vd->btv", x[:1], wte)))
+    assert abs(float(l8) - float(l)) < 2.0 ** -4 * logits_std
+    for a, b in [(dx8, dx), (dw8, dw)]:
+        assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b)) < 2.0 ** -3
+    jaxpr = jax.make_jaxpr(loss(True))(x, wte).jaxpr
+    dots = [[v.aval.dtype.name for v in eqn.invars] for eqn in _equations(jaxpr) if eqn.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(d[0].startswith("float8") and d[1].startswith("float8") for d in dots), dots
+
+
 def test_fp8_scale_is_global_inside_the_dp_shard_map():
     """The train step runs under a shard_map that is manual over dp (jaxgpt/step.py). There each
     device sees only its rows, so the fp8 scale must still come from the whole tensor's amax
@@ -194,15 +221,16 @@ def test_fp8_scale_is_global_inside_the_dp_shard_map():
 
 
 def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
-    """fp8 on dp=2,fsdp=2,tp=2 vs one device: the per-tensor amax is a global max (exact under any
-    sharding), but a different fp32 summation order can move a value across an fp8 rounding
+    """fp8 on dp=2,fsdp=2,tp=2 and pp=2,dp=2,tp=2 vs one device: the per-tensor amax is a global
+    max (exact under any sharding; under pp each stage's own tensors), but a different fp32 summation order can move a value across an fp8 rounding
     boundary, so the bound is looser than the fp32 layouts' 1e-4: 1e-3 on losses of ~10.8."""
     losses = {}
-    for layout, devices in [("dp=1", jax.devices()[:1]), ("dp=2,fsdp=2,tp=2", None)]:
+    for layout, devices in [("dp=1", jax.devices()[:1]), ("dp=2,fsdp=2,tp=2", None), ("pp=2,dp=2,tp=2", None)]:
         run_dir = tmp_path / layout
         train(tiny_config("train.steps=5", "model.fp8=true", mesh=layout), run_dir, devices=devices)
         losses[layout] = train_losses(run_dir)
-    np.testing.assert_allclose(losses["dp=2,fsdp=2,tp=2"], losses["dp=1"], rtol=0, atol=1e-3)
+    for layout in ("dp=2,fsdp=2,tp=2", "pp=2,dp=2,tp=2"):  # pp: each stage scales its own layers' tensors
+        np.testing.assert_allclose(losses[layout], losses["dp=1"], rtol=0, atol=1e-3, err_msg=layout)
 
 
 def _temp_bytes_and_loss(remat: str) -> tuple[int, float]:
