@@ -20,7 +20,9 @@ gradient all-reduce + slice into a reduce-scatter. The state sizes are exact eit
 `--target h100|h200 [--gpus N]` compiles for N GPUs this machine does not have (jaxgpt/gpu): the
 same step, compiled by XLA:GPU for compile-only devices, so memory, collectives, the attention
 kernel (cuDNN fused attention, counted in the HLO) and fp8 GEMMs are the GPU's own, checked against
-the device memory the target states. It needs `pip install -e ".[gpu-compile]"`.
+the device memory the target states. It needs `pip install -e ".[gpu-compile]"`. With a target the
+plan also predicts the step time, tokens/s and MFU on that GPU from the compiled program, kernel by
+kernel, with each group's share (jaxgpt/gpu/cost.py: a model calibrated on measured H100 steps).
 
 `model.remat=auto` is resolved here as in training (jaxgpt/remat.py): the plan names the policy
 it chose and why.
@@ -163,6 +165,12 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
     from jaxgpt.gpu import target as gpu_target
     compiled, state, batch, sizes, dtype, kernel, why, compile_seconds = compile_step(cfg, devices, target)
     text = compiled.as_text()
+    predicted = None
+    if target:  # a step-time model of XLA:GPU's program on that GPU (jaxgpt/gpu/cost.py)
+        from jaxgpt.gpu import cost, perf
+        from jaxgpt.metrics import flops_per_token
+        predicted = cost.estimate(text, perf.perf(target), len(devices), cfg.train.batch_size * cfg.model.seq_len,
+                                  flops_per_token(cfg.model))
     params = per_device_bytes(state.params)
     if device_memory_bytes is None:
         device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(devices[0])
@@ -182,6 +190,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
         "device_memory_bytes": device_memory_bytes,
         "fits": None if device_memory_bytes is None else memory["peak"] <= device_memory_bytes,
         "pipeline": _pipeline(cfg, sizes, dtype),
+        "predicted": predicted,
     }
 
 
@@ -265,6 +274,9 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     lines += ["", "time to send the wire bytes over one link, no overlap with compute:",
               "| link | GB/s | ms per step |", "| --- | --- | --- |"]
     lines += [f"| {link} | {LINKS[link] / 1e9:.0f} | {1e3 * sec:,.2f} |" for link, sec in c["link_seconds"].items()]
+    if p.get("predicted"):
+        from jaxgpt.gpu.cost import format_estimate
+        lines += ["", format_estimate(p["predicted"])]
     return "\n".join(lines)
 
 

@@ -1,0 +1,387 @@
+"""A step-time model read from XLA:GPU's compiled program: no GPU needed.
+
+`python -m jaxgpt.plan --target h100|h200` compiles the real train step for a compile-only GPU
+(jaxgpt/gpu/target.py). This module walks the optimized HLO of that step and costs every kernel
+the GPU would launch, one step's worth:
+
+    kernel time = max(FLOPs / (peak x efficiency), bytes moved / (HBM bandwidth x efficiency))
+                  + a per-launch overhead
+
+summed in program order (no overlap between kernels; one stream). Loops multiply: a kernel in a
+`while` body runs trip-count times (the layer scans inside the gradient-accumulation scan: 12 x
+16), the trip count read as jaxgpt.hlo reads it for collectives. The device constants (peaks,
+efficiencies, launch overhead, link bandwidth) are in jaxgpt/gpu/perf.py, the same for every
+config.
+
+What a kernel is, and what it costs
+-----------------------------------
+- A GEMM: a Triton GEMM fusion (`kind=kCustom`, what XLA writes without autotuning) or a cuBLAS /
+  cuBLASLt custom call. FLOPs = 2 x batch x M x N x K from the dot's shapes and dimension numbers;
+  the efficiency is the device's GEMM efficiency times wave quantization (output tiles of
+  `gemm_tile` spread over the SMs: 1.2 waves run as 2). Bytes = operands + result. A deviceless
+  compile has no autotuning, so its Triton tile choices are ignored: the model costs what an
+  autotuned kernel (cuBLAS, as measured) does, from the shapes alone.
+- cuDNN fused attention (`__cudnn$fmha*`): FLOPs = 4 x B x H x Tq x Tk x D forward (QK^T and PV),
+  halved for a causal mask, 2.5x that backward (dQ, dK, dV and the recomputed scores).
+- Any other fusion, copy or unfused op: bytes only. A fusion reads each operand whole, except one
+  it only slices (a scan reading layer l of stacked weights reads that slice) or updates in place
+  (dynamic-update-slice into a scan's stacked outputs writes only the update).
+- Collectives: wire bytes (ring algorithms, jaxgpt.hlo) over the link bandwidth, not overlapped.
+
+Groups
+------
+Each kernel lands in one group: GEMMs (the tied head's included), attention (cuDNN calls; with
+XLA attention its batched einsums and softmax), norms/elementwise (inside the differentiated
+model), loss (the chunked head's softmax and cross-entropy, named scope `head`), grad
+accumulation (inside the accumulation loop but outside the differentiated model: the gradient
+sums), optimizer update (outside every loop and the model: clipping, AdamW), data movement
+(fusions that only copy, cast, transpose, slice or fill: zero-init of scan buffers, layout
+changes, bf16 weight copies), collectives, other (loop conditions, unknown custom calls).
+
+Known blind spots: kernels on other streams are serialised (an upper bound where XLA overlaps
+async work), cache reuse between kernels is ignored (a lower bound's opposite: small operands
+that stay in the 50 MiB L2 are charged to HBM), and elementwise FLOPs are not counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Any, NamedTuple
+
+from jaxgpt import hlo
+from jaxgpt.gpu.perf import Perf
+
+GROUPS = ("GEMMs", "attention", "norms/elementwise", "loss (head softmax, cross-entropy)", "grad accumulation",
+          "optimizer update", "data movement (copy, cast, transpose, zero-init)", "collectives", "other")
+GEMM, ATTENTION, ELEMENTWISE, LOSS, ACCUMULATE, OPTIMIZER, MOVEMENT, COLLECTIVE, OTHER = GROUPS
+
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+         "replica-id", "opt-barrier", "add-dependency", "domain"}
+_MOVEMENT = _FREE | {"copy", "transpose", "convert", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
+                     "reshape", "concatenate", "pad", "iota"}
+_COLLECTIVE = re.compile(r"^(" + "|".join(hlo.COLLECTIVES) + r")(-start)?$")
+# XLA attention (jax.nn.dot_product_attention, implementation='xla'): its einsums and softmax
+_XLA_ATTENTION = re.compile(r"BTNH,BSNH->BNTS|BNTS,BSNH->BTNH|dot_product_attention|_softmax|/softmax")
+
+
+class Instr(NamedTuple):
+    name: str
+    shape: str       # the result type, e.g. 'bf16[8,128]{1,0}' or a tuple '(f32[2], s32[])'
+    opcode: str
+    operands: tuple  # operand instruction names
+    line: str
+    root: bool
+
+
+class Kernel(NamedTuple):
+    name: str
+    group: str
+    times: int        # executions per step
+    flops: float      # per execution
+    bytes: float      # per execution
+    seconds: float    # per execution, launch included
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the parenthesis group that opens at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+_LHS = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+
+
+def parse_instr(line: str) -> Instr | None:
+    """One HLO instruction line -> Instr (None for anything else)."""
+    if not (m := _LHS.match(line)):
+        return None
+    rest = line[m.end():]
+    end = _balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, rest = rest[:end], rest[end:].lstrip()
+    if not (op := re.match(r"([\w\-]+)\(", rest)):
+        return None
+    close = _balanced(rest, op.end() - 1)
+    operands = tuple(re.findall(r"%([\w.\-]+)", rest[op.end():close - 1]))
+    return Instr(m.group(2), shape, op.group(1), operands, line, bool(m.group(1)))
+
+
+def parse_module(text: str) -> tuple[dict[str, list[Instr]], str | None]:
+    """HLO text -> ({computation: its instructions}, the entry computation's name)."""
+    comps = {name: [i for line in body.splitlines() if (i := parse_instr(line))]
+             for name, body in hlo.hlo_computations(text).items()}
+    entry = re.search(r"^ENTRY\s+%?([\w.\-]+)", text, re.M)
+    return comps, entry.group(1) if entry else None
+
+
+def _dims(shape: str) -> list[int]:
+    m = re.search(r"\[([^\]]*)\]", shape)
+    return [int(d.lstrip("<=")) for d in m.group(1).split(",") if d.strip()] if m else []
+
+
+def _attr_dims(line: str, key: str) -> list[int]:
+    if m := re.search(key + r"=\{([\d,]*)\}", line):  # HLO attribute: lhs_contracting_dims={1}
+        return [int(d) for d in m.group(1).split(",") if d]
+    camel = {"lhs_contracting_dims": "lhs_contracting_dimensions", "rhs_contracting_dims": "rhs_contracting_dimensions",
+             "lhs_batch_dims": "lhs_batch_dimensions", "rhs_batch_dims": "rhs_batch_dimensions"}[key]
+    if m := re.search(rf'"{camel}":\[([^\]]*)\]', line):  # cuBLAS backend_config
+        return [int(d) for d in re.findall(r"\d+", m.group(1))]
+    return []
+
+
+class Gemm(NamedTuple):
+    batch: int
+    m: int
+    n: int
+    k: int
+    fp8: bool
+    op_name: str
+    batched: bool  # has batch dimensions (attention's einsums do; linear layers do not)
+
+
+def _gemm(line: str, lhs: str, rhs: str) -> Gemm:
+    """The GEMM a dot (or cuBLAS call) with operand types lhs, rhs performs."""
+    ld, rd = _dims(lhs), _dims(rhs)
+    lc, rc = _attr_dims(line, "lhs_contracting_dims"), _attr_dims(line, "rhs_contracting_dims")
+    lb, rb = _attr_dims(line, "lhs_batch_dims"), _attr_dims(line, "rhs_batch_dims")
+    batch = math.prod(ld[d] for d in lb)
+    k = math.prod(ld[d] for d in lc)
+    m = math.prod(s for d, s in enumerate(ld) if d not in lc and d not in lb)
+    n = math.prod(s for d, s in enumerate(rd) if d not in rc and d not in rb)
+    name = op.group(1) if (op := re.search(r'op_name="([^"]*)"', line)) else ""
+    return Gemm(batch, m, n, k, "f8e" in lhs + rhs, name, bool(lb))
+
+
+def gemm_seconds(g: Gemm, nbytes: float, p: Perf) -> float:
+    """One GEMM's time: its FLOPs at the device's GEMM efficiency and wave quantization, or its
+    bytes at HBM speed if that is longer, plus the launch."""
+    tm, tn = p.gemm_tile
+    tiles = g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn)
+    waves = tiles / (math.ceil(tiles / p.sms) * p.sms)
+    peak = p.peak_flops * (2 if g.fp8 else 1) * p.gemm_efficiency * waves
+    return max(2.0 * g.batch * g.m * g.n * g.k / peak, nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency)) + p.launch_seconds
+
+
+def memory_seconds(nbytes: float, p: Perf) -> float:
+    return nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency) + p.launch_seconds
+
+
+def attention_flops(line: str, operand_types: list[str]) -> float:
+    """FLOPs of one cuDNN fused-attention call: 4 B H Tq Tk D forward, half for a causal mask,
+    2.5x backward."""
+    inter = re.search(r'"intermediate_tensor_shape":\s*\{[^{]*?"dimensions":\s*\[([^\]]*)\]', line)
+    b, h, tq, tk = (int(d) for d in re.findall(r"\d+", inter.group(1))) if inter else (0, 0, 0, 0)
+    d = _dims(operand_types[0])[-1] if operand_types else 0
+    flops = 4.0 * b * h * tq * tk * d
+    if re.search(r'"mask_type":\s*"CAUSAL', line):
+        flops /= 2
+    return flops * (2.5 if "Backward" in line else 1.0)
+
+
+def _fused_bytes(comp: list[Instr]) -> float:
+    """Bytes a fusion moves: each parameter read whole, or only the slices taken of it, or not at
+    all when it is the buffer a dynamic-update-slice writes in place; the root written whole, or
+    only the update of an in-place dynamic-update-slice."""
+    by_name = {i.name: i for i in comp}
+    users = collections.defaultdict(list)
+    for i in comp:
+        for o in i.operands:
+            users[o].append(i)
+
+    def uses(name: str) -> list[Instr]:  # users, looking through bitcasts
+        return [v for u in users[name] for v in (uses(u.name) if u.opcode == "bitcast" else [u])]
+
+    total = 0.0
+    for param in (i for i in comp if i.opcode == "parameter"):
+        us = uses(param.name)
+        if us and all(u.opcode == "dynamic-update-slice" and by_name.get(u.operands[0], u).name in
+                      (param.name, *[b.name for b in users[param.name]]) for u in us):
+            continue  # updated in place
+        if us and all(u.opcode in ("dynamic-slice", "slice", "gather") for u in us):
+            total += sum(hlo.shape_bytes(u.shape) for u in us)
+        else:
+            total += hlo.shape_bytes(param.shape)
+    root = next((i for i in comp if i.root), None)
+    outputs = [by_name[o] for o in root.operands if o in by_name] if root and root.opcode == "tuple" else [root]
+    for out in filter(None, outputs):
+        while out.opcode == "bitcast" and out.operands and out.operands[0] in by_name:
+            out = by_name[out.operands[0]]
+        if out.opcode == "dynamic-update-slice" and len(out.operands) > 1 and out.operands[1] in by_name:
+            total += hlo.shape_bytes(by_name[out.operands[1]].shape)
+        else:
+            total += hlo.shape_bytes(out.shape)
+    return total
+
+
+def _called(line: str) -> list[str]:
+    return re.findall(r"\bcalls=%?([\w.\-]+)", line)
+
+
+class _Walker:
+    def __init__(self, text: str, p: Perf, n_devices: int):
+        self.comps, self.entry = parse_module(text)
+        self.texts = hlo.hlo_computations(text)
+        self.p, self.n_devices = p, n_devices
+        self.kernels: list[Kernel] = []
+        self.unknown_trips: list[str] = []
+
+    def _all(self, name: str, seen: set | None = None) -> list[Instr]:
+        """A fused computation's instructions and those of computations it calls (nested fusions)."""
+        seen = seen if seen is not None else set()
+        if name in seen or name not in self.comps:
+            return []
+        seen.add(name)
+        out = list(self.comps[name])
+        for i in self.comps[name]:
+            for callee in _called(i.line):
+                out += self._all(callee, seen)
+        return out
+
+    def visit(self, name: str, times: int, depth: int, condition: bool = False) -> None:
+        if name not in self.comps or depth > 64:
+            return
+        types = {i.name: i.shape for i in self.comps[name]}
+        for i in self.comps[name]:
+            op = i.opcode
+            if op in _FREE or op.endswith("-done") or op == "async-update":
+                continue
+            if op == "while":
+                trips = hlo._trip_count(i.line, self.texts)
+                if trips is None:
+                    self.unknown_trips.append(i.name)
+                body = re.search(r"\bbody=%?([\w.\-]+)", i.line).group(1)
+                cond = re.search(r"\bcondition=%?([\w.\-]+)", i.line).group(1)
+                self.visit(body, times * (trips or 1), depth + 1)
+                self.visit(cond, times * (trips or 1), depth + 1, condition=True)
+            elif op in ("call", "async-start") or (op == "conditional"):
+                callees = re.findall(r"\b(?:to_apply|calls)=%?([\w.\-]+)", i.line)
+                callees += [c for b in re.findall(r"branch_computations=\{([^}]*)\}", i.line)
+                            for c in re.findall(r"%?([\w.\-]+)", b)]
+                for callee in callees:
+                    self.visit(callee, times, depth + 1, condition)
+            else:
+                k = self._kernel(i, types, times, depth)
+                self.kernels.append(k._replace(group=OTHER) if condition else k)  # a loop's test
+
+    def _kernel(self, i: Instr, types: dict[str, str], times: int, depth: int) -> Kernel:
+        p, op = self.p, i.opcode
+        operand_types = [types.get(o, "") for o in i.operands]
+        own_name = m.group(1) if (m := re.search(r'op_name="([^"]*)"', i.line)) else ""
+        if _COLLECTIVE.match(op):
+            kind = _COLLECTIVE.match(op).group(1)
+            n = hlo._group_size(i.line) or self.n_devices
+            result = i.shape
+            if op.endswith("-start") and i.shape.startswith("(("):  # ((inputs), outputs): the outputs
+                result = i.shape[_balanced(i.shape, 1):]
+            wire = hlo.shape_bytes(result) * hlo._WIRE[kind](n) if n > 1 else 0.0
+            return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / p.link_bytes_per_s + p.launch_seconds)
+        if op == "custom-call":
+            target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
+            nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
+            if "fmha" in target:
+                flops = attention_flops(i.line, re.findall(r"[a-z0-9]+\[[^\]]*\]", i.line.split(
+                    "operand_layout_constraints={", 1)[-1]) if "operand_layout_constraints" in i.line else operand_types)
+                eff = p.attention_backward_efficiency if "Backward" in target else p.attention_forward_efficiency
+                seconds = max(flops / (p.peak_flops * eff), nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
+                return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
+            if re.search(r"gemm|matmul", target) and len(operand_types) >= 2:
+                g = _gemm(i.line, operand_types[0], operand_types[1])
+                first = re.match(r"\(?([a-z0-9]+\[[^\]]*\])", i.shape).group(1)  # result, not the workspace
+                nbytes = hlo.shape_bytes(operand_types[0]) + hlo.shape_bytes(operand_types[1]) + hlo.shape_bytes(first)
+                return Kernel(i.name, GEMM, times, 2.0 * g.batch * g.m * g.n * g.k, nbytes, gemm_seconds(g, nbytes, p))
+            return Kernel(i.name, OTHER, times, 0.0, nbytes, memory_seconds(nbytes, p))
+        if op in ("fusion", "fusion-start"):
+            callee = _called(i.line)[0]
+            body = self._all(callee)
+            nbytes = _fused_bytes(self.comps.get(callee, []))
+            dots = [d for d in body if d.opcode in ("dot", "scaled-dot")]
+            if dots:
+                inner = {d.name: d.shape for d in body}
+                gs = [_gemm(d.line, inner.get(d.operands[0], ""), inner.get(d.operands[1], "")) for d in dots]
+                flops = sum(2.0 * g.batch * g.m * g.n * g.k for g in gs)
+                big = max(gs, key=lambda g: g.batch * g.m * g.n * g.k)
+                group = GEMM
+                if big.batched and not any(f"/{layer}/" in big.op_name for layer in hlo.LAYERS):
+                    group = ATTENTION  # XLA attention's batched einsums
+                seconds = sum(gemm_seconds(g, nbytes / len(gs), p) for g in gs) - (len(gs) - 1) * p.launch_seconds
+                return Kernel(i.name, group, times, flops, nbytes, seconds)
+            names = [own_name] + [m.group(1) for d in body if (m := re.search(r'op_name="([^"]*)"', d.line))]
+            return Kernel(i.name, self._group(names, {d.opcode for d in body}, depth), times, 0.0, nbytes,
+                          memory_seconds(nbytes, p))
+        # an unfused op: copy, transpose, an in-place dynamic-update-slice, a reduce, ...
+        if op in ("dynamic-update-slice",) and len(operand_types) > 1:
+            nbytes = 2.0 * hlo.shape_bytes(operand_types[1])
+        elif op in ("copy", "copy-start", "dynamic-slice", "slice", "transpose", "broadcast", "iota"):
+            nbytes = 2.0 * hlo.shape_bytes(i.shape.split(")")[-1] if op == "copy-start" else i.shape)
+        else:
+            nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
+        group = MOVEMENT if op in _MOVEMENT or op == "copy-start" else self._group([own_name], {op}, depth)
+        return Kernel(i.name, group, times, 0.0, nbytes, memory_seconds(nbytes, self.p))
+
+    @staticmethod
+    def _group(op_names: list[str], opcodes: set[str], depth: int) -> str:
+        if opcodes <= _MOVEMENT:
+            return MOVEMENT
+        if any("/head/" in n for n in op_names):
+            return LOSS
+        if any(_XLA_ATTENTION.search(n) for n in op_names):
+            return ATTENTION
+        if any("jvp(" in n or "transpose(" in n for n in op_names):
+            return ELEMENTWISE
+        return ACCUMULATE if depth > 0 else OPTIMIZER
+
+
+def kernels(text: str, p: Perf, n_devices: int = 1) -> tuple[list[Kernel], list[str]]:
+    """Every kernel one step of the compiled program `text` launches, costed on device `p`, and the
+    loops whose trip count was unreadable (counted once)."""
+    w = _Walker(text, p, n_devices)
+    if w.entry:
+        w.visit(w.entry, 1, 0)
+    return w.kernels, w.unknown_trips
+
+
+def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None = None,
+             model_flops_per_token: float | None = None) -> dict[str, Any]:
+    """The predicted step: seconds, the kernels grouped (GROUPS), the costliest kernels, and with
+    tokens_per_step / model_flops_per_token (jaxgpt.metrics.flops_per_token) tokens/s and MFU
+    against the device's bf16 peak (per device: tokens_per_step is the global batch)."""
+    ks, unknown = kernels(text, p, n_devices)
+    total = sum(k.seconds * k.times for k in ks)
+    groups = {g: {"seconds": 0.0, "launches": 0, "flops": 0.0, "bytes": 0.0} for g in GROUPS}
+    for k in ks:
+        row = groups[k.group]
+        row["seconds"] += k.seconds * k.times
+        row["launches"] += k.times
+        row["flops"] += k.flops * k.times
+        row["bytes"] += k.bytes * k.times
+    top = sorted(ks, key=lambda k: -k.seconds * k.times)[:12]
+    out = {"device": p.name, "step_seconds": total, "launches": sum(k.times for k in ks), "groups": groups,
+           "top_kernels": [{"name": k.name, "group": k.group, "times": k.times, "ms_per_step": 1e3 * k.seconds * k.times,
+                            "flops": k.flops, "bytes": k.bytes} for k in top],
+           "unknown_trip_counts": sorted(set(unknown)), "tokens_per_sec": None, "mfu": None}
+    if tokens_per_step and total:
+        out["tokens_per_sec"] = tokens_per_step / total
+        if model_flops_per_token:
+            out["mfu"] = out["tokens_per_sec"] * model_flops_per_token / (n_devices * p.peak_flops)
+    return out
+
+
+def format_estimate(e: dict[str, Any]) -> str:
+    """The estimate as the plan prints it."""
+    rate = f" | {e['tokens_per_sec']:,.0f} tokens/s" if e["tokens_per_sec"] else ""
+    mfu = f" | MFU {100 * e['mfu']:.1f}%" if e["mfu"] is not None else ""
+    lines = [f"predicted step time on {e['device']} (jaxgpt/gpu/cost.py, a model, not a measurement): "
+             f"{1e3 * e['step_seconds']:,.1f} ms{rate}{mfu} | {e['launches']:,} kernel launches",
+             f"{'group':<52}{'ms/step':>10}{'share':>8}{'launches':>10}{'TFLOP':>9}{'GB':>9}"]
+    for g, row in e["groups"].items():
+        if row["launches"]:
+            lines.append(f"{g:<52}{1e3 * row['seconds']:>10,.1f}{100 * row['seconds'] / e['step_seconds']:>7.1f}%"
+                         f"{row['launches']:>10,}{row['flops'] / 1e12:>9,.1f}{row['bytes'] / 1e9:>9,.1f}")
+    if e["unknown_trip_counts"]:
+        lines.append(f"warning: loop trip count unreadable ({', '.join(e['unknown_trip_counts'])}): counted once")
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""The step-time model (jaxgpt/gpu/cost.py) on HLO small enough to check by hand: no compiles."""
+
+import pytest
+
+from jaxgpt.gpu import cost
+from jaxgpt.gpu.perf import Perf
+
+# Round numbers: 1 TFLOP/s at full efficiency, 1 GB/s, 1 us per launch, 132-SM waves of 128x256 tiles.
+P = Perf(name="test", peak_flops=1e12, hbm_bytes_per_s=1e9, sms=132, gemm_efficiency=1.0, gemm_tile=(128, 256),
+         attention_forward_efficiency=0.5, attention_backward_efficiency=0.25, hbm_efficiency=1.0,
+         launch_seconds=1e-6, link_bytes_per_s=1e9)
+
+GEMM = """HloModule m
+
+%gemm_computation (p0: bf16[1024,512], p1: bf16[512,2048]) -> bf16[1024,2048] {
+  %p0 = bf16[1024,512]{1,0} parameter(0)
+  %p1 = bf16[512,2048]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[1024,2048]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(f)/mlp_in/dot_general"}
+}
+
+ENTRY %main (a: bf16[1024,512], b: bf16[512,2048]) -> bf16[1024,2048] {
+  %a = bf16[1024,512]{1,0} parameter(0)
+  %b = bf16[512,2048]{1,0} parameter(1)
+  ROOT %gemm_fusion_dot.1 = bf16[1024,2048]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+}
+"""
+
+
+def test_single_gemm_is_flops_at_peak_times_wave_quantization():
+    (k,), _ = cost.kernels(GEMM, P)
+    assert k.group == cost.GEMM and k.times == 1
+    assert k.flops == 2 * 1024 * 2048 * 512
+    assert k.bytes == 2 * (1024 * 512 + 512 * 2048 + 1024 * 2048)
+    # 8 x 8 = 64 tiles of 128x256 on 132 SMs: one wave, 64/132 of the GPU busy
+    compute = k.flops / (1e12 * 64 / 132)
+    memory = k.bytes / 1e9  # 7.3 ms: this GEMM is memory-bound at 1 GB/s
+    assert k.seconds == pytest.approx(max(compute, memory) + 1e-6)
+
+
+def test_cublas_gemm_custom_call_reads_dimension_numbers_from_backend_config():
+    text = """ENTRY %main (a: bf16[4,256,64], b: bf16[4,64,128]) -> (bf16[4,256,128], s8[1024]) {
+  %a = bf16[4,256,64]{2,1,0} parameter(0)
+  %b = bf16[4,64,128]{2,1,0} parameter(1)
+  ROOT %cublas-gemm.1 = (bf16[4,256,128]{2,1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["2"],"rhs_contracting_dimensions":["1"],"lhs_batch_dimensions":["0"],"rhs_batch_dimensions":["0"]}}}
+}
+"""
+    (k,), _ = cost.kernels(text, P)
+    assert k.group == cost.GEMM
+    assert k.flops == 2 * 4 * 256 * 128 * 64
+    assert k.bytes == 2 * (4 * 256 * 64 + 4 * 64 * 128 + 4 * 256 * 128)  # the workspace is not data
+
+
+ELEMENTWISE = """HloModule m
+
+%fused_add (p0: f32[1000,1000], p1: f32[1000]) -> bf16[1000,1000] {
+  %p0 = f32[1000,1000]{1,0} parameter(0)
+  %p1 = f32[1000]{0} parameter(1)
+  %b = f32[1000,1000]{1,0} broadcast(%p1), dimensions={1}
+  %add = f32[1000,1000]{1,0} add(%p0, %b), metadata={op_name="jit(f)/jvp()/add"}
+  ROOT %c = bf16[1000,1000]{1,0} convert(%add)
+}
+
+ENTRY %main (x: f32[1000,1000], y: f32[1000]) -> bf16[1000,1000] {
+  %x = f32[1000,1000]{1,0} parameter(0)
+  %y = f32[1000]{0} parameter(1)
+  ROOT %loop_add_fusion = bf16[1000,1000]{1,0} fusion(%x, %y), kind=kLoop, calls=%fused_add, metadata={op_name="jit(f)/jvp()/add"}
+}
+"""
+
+
+def test_elementwise_fusion_is_bytes_over_bandwidth():
+    (k,), _ = cost.kernels(ELEMENTWISE, P)
+    assert k.group == cost.ELEMENTWISE and k.flops == 0
+    assert k.bytes == 4e6 + 4e3 + 2e6  # read f32 x and the bias, write bf16
+    assert k.seconds == pytest.approx(6.004e6 / 1e9 + 1e-6)
+
+
+LOOPS = """HloModule m
+
+%fused_slice_update (p0: f32[12,256], p1: f32[12,256], p2: s32[]) -> f32[12,256] {
+  %p0 = f32[12,256]{1,0} parameter(0)
+  %p1 = f32[12,256]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %row = f32[1,256]{1,0} dynamic-slice(%p1, %p2, %zero), dynamic_slice_sizes={1,256}
+  %twice = f32[1,256]{1,0} add(%row, %row), metadata={op_name="jit(f)/transpose(jvp())/add"}
+  ROOT %dus = f32[12,256]{1,0} dynamic-update-slice(%p0, %twice, %p2, %zero)
+}
+
+%inner_body (t: (s32[], f32[12,256], f32[12,256])) -> (s32[], f32[12,256], f32[12,256]) {
+  %t = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %acc = f32[12,256]{1,0} get-tuple-element(%t), index=1
+  %w = f32[12,256]{1,0} get-tuple-element(%t), index=2
+  %f = f32[12,256]{1,0} fusion(%acc, %w, %i), kind=kLoop, calls=%fused_slice_update
+  ROOT %r = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) tuple(%i, %f, %w)
+}
+
+%inner_cond (t: (s32[], f32[12,256], f32[12,256])) -> pred[] {
+  %t = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(12)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%outer_body (t: (s32[], f32[12,256], f32[12,256])) -> (s32[], f32[12,256], f32[12,256]) {
+  %t = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) parameter(0)
+  ROOT %inner = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) while(%t), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"12"}}
+}
+
+%outer_cond (t: (s32[], f32[12,256], f32[12,256])) -> pred[] {
+  %t = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %n = s32[] constant(16)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (t: (s32[], f32[12,256], f32[12,256])) -> (s32[], f32[12,256], f32[12,256]) {
+  %t = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) parameter(0)
+  ROOT %outer = (s32[], f32[12,256]{1,0}, f32[12,256]{1,0}) while(%t), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"16"}}
+}
+"""
+
+
+def test_nested_loops_multiply_and_scan_slices_move_one_row():
+    ks, unknown = cost.kernels(LOOPS, P)
+    assert not unknown
+    body = next(k for k in ks if k.name == "f")
+    assert body.times == 16 * 12  # nested loops multiply
+    assert body.group == cost.ELEMENTWISE
+    assert body.bytes == 256 * 4 * 2 + 4  # one row sliced out, one written in place (+ the index), not [12,256]
+    conditions = [k for k in ks if k.name == "lt"]  # each loop's compare runs once per iteration
+    assert sorted(k.times for k in conditions) == [16, 16 * 12]
+    assert {k.group for k in conditions} == {cost.OTHER}
+    e = cost.estimate(LOOPS, P, tokens_per_step=1000, model_flops_per_token=1e6)
+    assert e["step_seconds"] == pytest.approx(sum(k.seconds * k.times for k in ks))
+    assert e["tokens_per_sec"] == pytest.approx(1000 / e["step_seconds"])
+    assert e["mfu"] == pytest.approx(e["tokens_per_sec"] * 1e6 / 1e12)
+    assert e["groups"][cost.ELEMENTWISE]["launches"] == 192
+
+
+def test_causal_cudnn_attention_counts_half_the_scores_and_backward_is_2_5x():
+    fwd = ('"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "512", "512"]}, '
+           '"mask_type": "CAUSAL"')
+    q = "bf16[2,512,4,64]"
+    assert cost.attention_flops(f"custom_call_target=\"__cudnn$fmhaSoftmax\", {fwd}", [q]) == 4 * 2 * 4 * 512 * 512 * 64 / 2
+    assert cost.attention_flops(f"custom_call_target=\"__cudnn$fmhaSoftmaxBackward\", {fwd}", [q]) == \
+        2.5 * 4 * 2 * 4 * 512 * 512 * 64 / 2
+
+
+def test_all_reduce_costs_ring_wire_bytes_over_the_link():
+    text = """ENTRY %main (g: f32[1000]) -> f32[1000] {
+  %g = f32[1000]{0} parameter(0)
+  ROOT %ar = f32[1000]{0} all-reduce(%g), replica_groups={{0,1,2,3}}, to_apply=%sum
+}
+"""
+    (k,), _ = cost.kernels(text, P, n_devices=4)
+    assert k.group == cost.COLLECTIVE
+    assert k.bytes == pytest.approx(4000 * 2 * 3 / 4)
+    assert k.seconds == pytest.approx(6000 / 1e9 + 1e-6)
+
+
+def test_format_names_every_group_that_ran():
+    out = cost.format_estimate(cost.estimate(ELEMENTWISE + GEMM.split("ENTRY")[0], P, tokens_per_step=10))
+    assert "predicted step time" in out and cost.ELEMENTWISE in out and "100.0%" in out
