@@ -10,6 +10,8 @@
 #   plan     python -m jaxgpt.plan for gpt2-124m and gpt2-1.3b against this GPU's memory
 #   bench124 scripts/benchmark.py, gpt2-124m at 1024 context: xla vs cudnn attention, fp8 off/on
 #   bench13  the same for gpt2-1.3b at 2048 context (remat=auto, as configured)
+#   profile  scripts/profile_step.py for gpt2-124m and gpt2-1.3b as bundled: a jax.profiler trace of 3
+#            steps, the measured time per group next to jaxgpt/gpu/cost.py's prediction, top kernels
 #   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
 #            with fp8 from the same seed, and with bf16 from another seed; prints the fp8 loss gap
 #            (goal <1%) beside bf16's seed-to-seed spread
@@ -22,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_checks}
 shift || true
-GROUPS_TO_RUN=${*:-parity plan bench124 bench13 fp8loss}
+GROUPS_TO_RUN=${*:-parity plan bench124 bench13 profile fp8loss}
 PY=${PYTHON:-python}
 LIMIT=${STEP_TIMEOUT:-600}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU: --mesh dp=1 must cover every device
@@ -80,6 +82,9 @@ for group in $GROUPS_TO_RUN; do
         bench "1.3b-$attn" --config gpt2-1.3b --mesh dp=1 "model.attention=$attn"
       done
       bench 1.3b-cudnn-fp8 --config gpt2-1.3b --mesh dp=1 model.attention=cudnn model.fp8=true ;;
+    profile)
+      step profile-124m "$PY" scripts/profile_step.py --config gpt2-124m --mesh dp=1 --out "$OUT/trace-124m" --top 40
+      step profile-1.3b "$PY" scripts/profile_step.py --config gpt2-1.3b --mesh dp=1 --out "$OUT/trace-1.3b" --top 40 ;;
     fp8loss)
       runs=$(mktemp -d -p "${TMPDIR:-/var/tmp}")  # on disk, not in OUT: each run ends with a ~15 GiB checkpoint, deleted below
       # fp8 and bf16 from seed 0, and bf16 from seed 1: the fp8 gap is judged against that spread
@@ -96,7 +101,7 @@ for group in $GROUPS_TO_RUN; do
         other=$(final_loss "$runs/fp8-false-seed1") &&
         "$PY" -c 'import sys; a,b,c=map(float,sys.argv[1:]); print(f"fp8 vs bf16 final loss: {b:.4f} vs {a:.4f}, gap {100*abs(b-a)/a:.2f}% (goal < 1%); bf16 seed 0 vs 1: {a:.4f} vs {c:.4f}, spread {100*abs(c-a)/a:.2f}%")' \
           "$bf16" "$fp8" "$other" | tee -a "$OUT/kernels.md" ;;
-    *) echo "unknown group $group (parity plan bench124 bench13 fp8loss)" >&2; exit 2 ;;
+    *) echo "unknown group $group (parity plan bench124 bench13 profile fp8loss)" >&2; exit 2 ;;
   esac
 done
 { echo; cat "$OUT/kernels.md"; } >>"$OUT/summary.md"

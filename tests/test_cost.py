@@ -5,8 +5,8 @@ import pytest
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf
 
-# Round numbers: 1 TFLOP/s at full efficiency, 1 GB/s, 1 us per launch, 132-SM waves of 128x256 tiles.
-P = Perf(name="test", peak_flops=1e12, hbm_bytes_per_s=1e9, sms=132, gemm_efficiency=1.0, gemm_tile=(128, 256),
+# Round numbers: 1 TFLOP/s at full efficiency, 1 GB/s, 1 us per launch, 132 SMs, 128x256x64 work units.
+P = Perf(name="test", peak_flops=1e12, hbm_bytes_per_s=1e9, sms=132, gemm_efficiency=1.0, gemm_tile=(128, 256, 64),
          attention_forward_efficiency=0.5, attention_backward_efficiency=0.25, hbm_efficiency=1.0,
          launch_seconds=1e-6, link_bytes_per_s=1e9)
 
@@ -31,8 +31,8 @@ def test_single_gemm_is_flops_at_peak_times_wave_quantization():
     assert k.group == cost.GEMM and k.times == 1
     assert k.flops == 2 * 1024 * 2048 * 512
     assert k.bytes == 2 * (1024 * 512 + 512 * 2048 + 1024 * 2048)
-    # 8 x 8 = 64 tiles of 128x256 on 132 SMs: one wave, 64/132 of the GPU busy
-    compute = k.flops / (1e12 * 64 / 132)
+    # 8 x 8 output tiles of 128x256, 8 K steps each: 512 work units on 132 SMs run in 4 waves (528)
+    compute = k.flops / (1e12 * 512 / 528)
     memory = k.bytes / 1e9  # 7.3 ms: this GEMM is memory-bound at 1 GB/s
     assert k.seconds == pytest.approx(max(compute, memory) + 1e-6)
 

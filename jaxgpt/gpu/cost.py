@@ -17,8 +17,10 @@ What a kernel is, and what it costs
 -----------------------------------
 - A GEMM: a Triton GEMM fusion (`kind=kCustom`, what XLA writes without autotuning) or a cuBLAS /
   cuBLASLt custom call. FLOPs = 2 x batch x M x N x K from the dot's shapes and dimension numbers;
-  the efficiency is the device's GEMM efficiency times wave quantization (output tiles of
-  `gemm_tile` spread over the SMs: 1.2 waves run as 2). Bytes = operands + result. A deviceless
+  the efficiency is the device's GEMM efficiency times wave quantization: the work, output tiles
+  of `gemm_tile` times its K steps, is spread over the SMs as cuBLAS's stream-K kernels on Hopper
+  do (a K-long GEMM with few output tiles, such as a weight gradient of a 768-wide layer, still
+  fills the GPU; a tiny GEMM does not: 1.2 waves run as 2). Bytes = operands + result. A deviceless
   compile has no autotuning, so its Triton tile choices are ignored: the model costs what an
   autotuned kernel (cuBLAS, as measured) does, from the shapes alone.
 - cuDNN fused attention (`__cudnn$fmha*`): FLOPs = 4 x B x H x Tq x Tk x D forward (QK^T and PV),
@@ -160,11 +162,12 @@ def _gemm(line: str, lhs: str, rhs: str) -> Gemm:
 def gemm_seconds(g: Gemm, nbytes: float, p: Perf) -> float:
     """One GEMM's time: its FLOPs at the device's GEMM efficiency and wave quantization, or its
     bytes at HBM speed if that is longer, plus the launch."""
-    tm, tn = p.gemm_tile
-    tiles = g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn)
-    waves = tiles / (math.ceil(tiles / p.sms) * p.sms)
+    tm, tn, tk = p.gemm_tile
+    work = g.batch * math.ceil(g.m / tm) * math.ceil(g.n / tn) * math.ceil(g.k / tk)  # stream-K units
+    waves = work / (math.ceil(work / p.sms) * p.sms)
     peak = p.peak_flops * (2 if g.fp8 else 1) * p.gemm_efficiency * waves
-    return max(2.0 * g.batch * g.m * g.n * g.k / peak, nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency)) + p.launch_seconds
+    memory = nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency)
+    return max(2.0 * g.batch * g.m * g.n * g.k / peak, memory) + p.launch_seconds
 
 
 def memory_seconds(nbytes: float, p: Perf) -> float:
@@ -284,8 +287,10 @@ class _Walker:
             target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
             nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
             if "fmha" in target:
-                flops = attention_flops(i.line, re.findall(r"[a-z0-9]+\[[^\]]*\]", i.line.split(
-                    "operand_layout_constraints={", 1)[-1]) if "operand_layout_constraints" in i.line else operand_types)
+                # Q's type as the call wants it (the operand itself is often a bitcast of another layout)
+                constraints = i.line.split("operand_layout_constraints={", 1)
+                q_kv = re.findall(r"[a-z0-9]+\[[^\]]*\]", constraints[1]) if len(constraints) > 1 else operand_types
+                flops = attention_flops(i.line, q_kv)
                 eff = p.attention_backward_efficiency if "Backward" in target else p.attention_forward_efficiency
                 seconds = max(flops / (p.peak_flops * eff), nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
                 return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
@@ -361,8 +366,8 @@ def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None
         row["bytes"] += k.bytes * k.times
     top = sorted(ks, key=lambda k: -k.seconds * k.times)[:12]
     out = {"device": p.name, "step_seconds": total, "launches": sum(k.times for k in ks), "groups": groups,
-           "top_kernels": [{"name": k.name, "group": k.group, "times": k.times, "ms_per_step": 1e3 * k.seconds * k.times,
-                            "flops": k.flops, "bytes": k.bytes} for k in top],
+           "top_kernels": [{"name": k.name, "group": k.group, "times": k.times,
+                            "ms_per_step": 1e3 * k.seconds * k.times, "flops": k.flops, "bytes": k.bytes} for k in top],
            "unknown_trip_counts": sorted(set(unknown)), "tokens_per_sec": None, "mfu": None}
     if tokens_per_step and total:
         out["tokens_per_sec"] = tokens_per_step / total

@@ -22,7 +22,7 @@ class Perf(NamedTuple):
     hbm_bytes_per_s: float   # from the target description
     sms: int                 # from the target description
     gemm_efficiency: float   # of peak_flops, for a large bf16 GEMM (cuBLAS / autotuned Triton)
-    gemm_tile: tuple[int, int]  # output tile of one CTA, for wave quantization over the SMs
+    gemm_tile: tuple[int, int, int]  # M x N output tile and K step of one stream-K work unit (waves)
     attention_forward_efficiency: float   # of peak_flops, cuDNN flash attention forward
     attention_backward_efficiency: float  # cuDNN flash attention backward (2.5x the forward FLOPs)
     hbm_efficiency: float    # of hbm_bytes_per_s, what a streaming kernel (fusion, copy) reaches
@@ -30,7 +30,7 @@ class Perf(NamedTuple):
     link_bytes_per_s: float  # one direction, per device, for collectives (NVLink 4)
 
 
-_COMMON = dict(peak_flops=989e12, gemm_efficiency=0.75, gemm_tile=(128, 256),
+_COMMON = dict(peak_flops=989e12, gemm_efficiency=0.75, gemm_tile=(128, 256, 64),
                attention_forward_efficiency=0.50, attention_backward_efficiency=0.40,
                hbm_efficiency=0.85, launch_seconds=4e-6, link_bytes_per_s=450e9)
 
