@@ -43,7 +43,7 @@ TINY_LAYOUTS = {
                                                                  "train.grad_accum=2", "model.remat=full", FP8]),
 }
 FP8_LAYOUTS = [name for name, (_, overrides) in TINY_LAYOUTS.items() if FP8 in overrides]
-GPT2 = ["model.n_layer=2", "model.remat=none"]
+GPT2 = ["model.n_layer=2", "model.remat=none", "train.grad_accum=16"]
 
 
 @pytest.fixture(scope="module")
