@@ -157,7 +157,18 @@ def scatter_outputs(y_MbTD: jax.Array) -> jax.Array:
     stage s): one reduce-scatter over pp of the buffer, zeros everywhere but stage 0."""
     first = jax.lax.axis_index("pp") == 0
     y_MbTD = jnp.where(first, y_MbTD, jnp.zeros_like(y_MbTD))
-    return jax.lax.psum_scatter(y_MbTD, "pp", scatter_dimension=0, tiled=True)
+    scatter = functools.partial(jax.lax.psum_scatter, axis_name="pp", scatter_dimension=0, tiled=True)
+    if jnp.dtype(y_MbTD.dtype).itemsize >= 4:
+        return scatter(y_MbTD)
+    # XLA:CPU aborts the process on a 16-bit reduce-scatter or all-reduce inside a shard_map that is
+    # manual over only some of the mesh axes, as the steps' are (pp, dp): JAX annotates the reducer's
+    # add with a sharding, and the CPU pass that widens 16-bit reductions to fp32 (AllReducePromotion)
+    # then finds a copy, not the add, at the reducer's root ("Invalid binary instruction opcode copy";
+    # JAX 0.10.2 to 0.12, issue 24). So on CPU the sum is taken in fp32, exact here (one non-zero
+    # term per element); other platforms keep the bf16 reduce-scatter (the branch is picked when
+    # lowering, so their program is unchanged).
+    via_f32 = lambda y: scatter(y.astype(jnp.float32)).astype(y.dtype)  # noqa: E731
+    return jax.lax.platform_dependent(y_MbTD, cpu=via_f32, default=scatter)
 
 
 def my_share(a_M: jax.Array, stages: int) -> jax.Array:
