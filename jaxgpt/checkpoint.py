@@ -22,10 +22,13 @@ never writes checkpoint files itself.
 
 Resume takes the newest step that reads back. A step directory without its commit marker, or
 whose metadata or array files are garbage, missing or truncated, is skipped with one warning line
-naming it and why. If checkpoints exist and none reads back, the run stops with an error rather
-than silently starting over. A checkpoint whose array shapes differ from the current config is an
-error that names the config keys that changed (`model.n_embd 32 -> 64`, read from the checkpoint's
-config item) and the arrays that differ: that is a wrong command, not damage.
+naming it and why. If checkpoints exist and none reads back, the run stops with one error line
+naming every step and why rather than silently starting over. A checkpoint whose array shapes
+differ from the current config is an error that names the config keys that changed
+(`model.n_embd 32 -> 64`, `model.moe_experts 8 -> 4`, read from the checkpoint's config item), or
+lists the arrays that differ where no key explains them: that is a wrong command, not damage.
+Other MoE routing (`moe_top_k`, `moe_capacity_factor`) fits the same arrays and is legitimate,
+so a resume accepts it with one warning line naming the change (`warn_routing_changes`).
 
 Damaged steps are set aside, not left in the way. When a training run resumes from step S and
 skipped newer damaged steps, each is moved to `checkpoints/damaged/STEP-<UTC time>` (said in its
@@ -76,8 +79,13 @@ from jaxgpt.step import TrainState
 COMMIT_MARKER = "commit_success.txt"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: STEP.orbax-checkpoint-tmp
 DAMAGED_DIR = "damaged"
-# The ModelConfig keys that parameter shapes depend on (dtype, attention, fp8, remat do not).
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size")
+# The config keys that the train state's shapes depend on (dtype, attention, fp8, remat do not);
+# a key this version's config lacks is passed over.
+SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.mlp", "model.mlp_hidden",
+              "model.seq_len", "model.vocab_size", "model.position", "model.norm", "model.norm_scale", "model.bias",
+              "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every", "optimizer.name")
+# MoE keys that change the routing of the same parameters: a resume may change them, and says so.
+ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor")
 
 
 class Restored(NamedTuple):
@@ -90,6 +98,22 @@ class Restored(NamedTuple):
 def _warn(message: str) -> None:
     if jax.process_index() == 0:
         print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+_ABSENT = object()  # a key one of two configs lacks
+
+
+def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
+    """`SECTION.KEY OLD -> NEW` for each of `keys` whose value differs between two config dicts
+    (model.moe_every only between two MoE models: a dense model has no groups for it to change)."""
+    def value(cfg: dict, key: str):
+        section, name = key.split(".")
+        return cfg.get(section, {}).get(name, _ABSENT)
+
+    moe = bool(value(was, "model.moe_experts")) and bool(value(now, "model.moe_experts"))
+    return [f"{k} {value(was, k)} -> {value(now, k)}" for k in keys
+            if _ABSENT not in (value(was, k), value(now, k)) and value(was, k) != value(now, k)
+            and (k != "model.moe_every" or moe)]
 
 
 def _shape_mismatches(abstract: TrainState, stored: Any) -> list[str]:
@@ -154,17 +178,29 @@ class Checkpointer:
             skipped.append((self.step_path(step), why))
         else:
             restored = None
-        if set_aside and (restored is not None or not steps):
+        if restored is None and steps:  # a run that stops: one line for all of them
+            groups: dict[str, list[str]] = {}  # one reason, the steps it holds for
+            for path, reason in skipped:
+                groups.setdefault(reason, []).append(path.name)
+            why = "; ".join(f"step{'s' * (len(names) > 1)} {', '.join(names)}: {reason}"
+                            for reason, names in groups.items())
+            raise UserError(f"no checkpoint in {self.directory} can be read: {why}; move them away to start over")
+        if set_aside:
             unfinished = sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
             self._set_aside([(p, "a save that never finished (the process stopped while writing it)")
                              for p in unfinished] + skipped)
         else:
             for path, reason in skipped:
                 _warn(f"skipping checkpoint {path}: {reason}")
-        if restored is None and steps:
-            raise UserError(f"checkpoints exist in {self.directory} (steps {', '.join(map(str, steps))}) but none "
-                            f"can be read; move them away to start over")
         return restored
+
+    def warn_routing_changes(self, step: int, config: Config) -> None:
+        """One warning line if this run routes its MoE tokens otherwise than checkpoint `step` did."""
+        stored = self.stored_config(step) if config.model.moe_experts else None
+        changed = _changed(stored, config.to_dict(), ROUTING_KEYS) if stored else []
+        if changed:
+            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
+                  f"with other MoE routing")
 
     def _set_aside(self, paths: list[tuple[Path, str]]) -> None:
         """Moves damaged steps and unfinished saves to damaged/NAME-<UTC time>, one warning line
@@ -190,26 +226,28 @@ class Checkpointer:
         path = self.step_path(step)
         restored, why = None, ""
         if not (path / COMMIT_MARKER).exists():
-            why = "it has no commit marker (an interrupted save)"
+            why = "no commit marker (an interrupted save)"
         else:
             with _held_stderr() as held:
                 try:
                     stored = self.manager.item_metadata(step)["state"]
                 except Exception as e:  # noqa: BLE001 - any failure to read means damage
-                    why = f"its metadata cannot be read ({_describe(e)})"
+                    why = f"metadata unreadable ({_describe(e, path)})"
                 else:
-                    mismatches = _shape_mismatches(abstract, stored)
-                    if mismatches:
+                    if stored is None:  # Orbax's answer when state/_METADATA is gone
+                        why = "metadata unreadable (no metadata for its state)"
+                    elif mismatches := _shape_mismatches(abstract, stored):
                         held.release()
                         raise UserError(self._mismatch_message(step, mismatches, config))
-                    try:
-                        restored = self._restore(step, abstract, params_only)
-                    except Exception as e:  # noqa: BLE001
-                        why = f"it cannot be read ({_describe(e)})"
+                    else:
+                        try:
+                            restored = self._restore(step, abstract, params_only)
+                        except Exception as e:  # noqa: BLE001
+                            why = f"unreadable ({_describe(e, path)})"
                 if restored is not None:
                     held.release()
         if not _everyone(restored is not None):
-            return None, why or "another process cannot read it"
+            return None, why or "unreadable on another process"
         return restored, why
 
     def _restore(self, step: int, abstract: TrainState, params_only: bool) -> Restored:
@@ -229,23 +267,29 @@ class Checkpointer:
             return None
 
     def _mismatch_message(self, step: int, mismatches: list[str], config: Config | None) -> str:
-        changed = ""
+        """The changed shape keys by name where the checkpoint's config tells them; else the arrays."""
         stored = self.stored_config(step) if config is not None else None
-        if stored is not None:
-            was, now = stored.get("model", {}), config.to_dict()["model"]
-            keys = [f"model.{k} {was[k]} -> {now[k]}" for k in SHAPE_KEYS if k in was and was[k] != now[k]]
-            if keys:
-                changed = f"{', '.join(keys)} (checkpoint -> this run); "
-        shapes = "; ".join(mismatches[:8]) + (f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else "")
-        return f"checkpoint {self.step_path(step)} does not fit the current config: {changed}{shapes}"
+        keys = _changed(stored, config.to_dict(), SHAPE_KEYS) if stored else []
+        if keys:
+            what = f"{', '.join(keys)} (checkpoint -> this run)"
+        else:
+            what = "; ".join(mismatches[:8]) + (f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else "")
+        return f"checkpoint {self.step_path(step)} does not fit the current config: {what}"
 
 
-def _describe(e: Exception) -> str:
-    """An exception in a few words: TensorStore's messages run on with a dump of a bound method."""
-    first = str(e).splitlines()[0] if str(e) else ""
-    first = first.split(" See full TensorStore details")[0]
-    first = first if len(first) <= 160 else first[:159] + "…"
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+def _describe(e: Exception, step_dir: Path) -> str:
+    """An exception in a few words, paths relative to the step's directory. TensorStore's messages
+    (`CODE: context: context ... file "F": cause [tensorstore_spec=...]`) become `CODE in F: cause`:
+    the innermost file and what is wrong with it, the same for two steps damaged alike."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    text = text.split(" [tensorstore_spec=")[0].split(" See full TensorStore details")[0]
+    text = text.replace(f"{step_dir}/", "")
+    code, _, rest = text.partition(": ")
+    if code.isupper() and code.replace("_", "").isalpha() and 'file "' in rest:  # an absl status code
+        file, _, cause = rest.rpartition('file "')[2].partition('"')
+        return f"{code} in {file}" + (f": {cause[2:]}" if cause.startswith(": ") else "")
+    text = text if len(text) <= 200 else text[:199] + "…"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _everyone(ok: bool) -> bool:

@@ -1,16 +1,26 @@
-"""Stopping on request: SIGTERM or a first Ctrl-C finish the step, save, and exit 75.
+"""Stopping on request: SIGTERM or a first Ctrl-C finish the steps already started, save, exit 75.
 
 Schedulers (SLURM, Kubernetes, spot VMs) send SIGTERM some seconds before they kill a job. The
-handler only records the request; the training loop checks it after each step, writes a
-checkpoint at that step, waits until Orbax has committed it, and raises `cli.Preempted`, which the
-command line turns into exit code 75 (EX_TEMPFAIL: "temporary failure, retry"), distinct from
-success (0), bad input (2) and divergence (3). A scheduler can requeue on 75. A second Ctrl-C
-aborts at once (exit 130) for a user who does not want to wait for the save.
+handler only records the request; the training loop checks it once per step, after everything
+that step does and right before it starts the next one, then writes a checkpoint at that step,
+waits until Orbax has committed it, and raises `cli.Preempted`, which the command line turns into
+exit code 75 (EX_TEMPFAIL: "temporary failure, retry"), distinct from success (0), bad input (2)
+and divergence (3). A scheduler can requeue on 75. A second Ctrl-C aborts at once (exit 130) for
+a user who does not want to wait for the save.
+
+Which step that is: the loop starts (dispatches) step N+1 before it reads step N's metrics, so
+that the device never waits for the host (train.py). The host spends the step waiting for step N
+while N+1 is already queued behind it; a queued step cannot be taken back (it consumes step N's
+state, donated to it), so a signal that arrives then stops after N+1, the newest step started,
+two after the last row logged (N-1). The handler's line names that step: it is the step after the
+last one checked, and the check records its step before it reads the flag, so the line and the
+step the run stops at always agree, wherever between two bytecodes the signal lands.
 
 Several processes must stop at the same step, or they would save different steps. With one
 process the local flag is enough. With several, JAX's coordination service delivers the
 preemption notice to every process and `multihost_utils.reached_preemption_sync_point(step)`
-returns True on all of them at the same step; jaxgpt then installs no handlers of its own.
+returns True on all of them at the same step, the one after the highest step any process had
+checked: the same rule as one process's. jaxgpt then installs no handlers of its own.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.checked: int | None = None  # the last step checked (the loop sets its start first)
+        self.stop_at: int | None = None  # with one process: the step a signal stops after
         self.multi_process = jax.process_count() > 1
         self._previous = {}
         for sig in [] if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
@@ -38,13 +50,23 @@ class StopRequest:
             print("\nsecond interrupt: aborting without saving", file=sys.stderr, flush=True)
             os._exit(130)
         self.signal = signum
-        print(f"\nreceived {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-              f"(Ctrl-C again to abort)", file=sys.stderr, flush=True)
+        if self.stop_at is None:
+            self.stop_at = 0 if self.checked is None else self.checked + 1  # 0: the first step checked
+        step = f"step {self.stop_at}" if self.stop_at else "the first step"
+        lead = "\n" if sys.stderr.isatty() else ""  # off the line of a ^C or a progress bar
+        print(f"{lead}received {signal.Signals(signum).name}: finishing {step}, saving a checkpoint there and "
+              f"exiting (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+
+    def begin(self, start: int) -> None:
+        """The loop starts after step `start`: a signal from now on names step start + 1."""
+        self.checked = start
 
     def requested(self, step: int) -> bool:
+        """Whether to stop after `step`; call once per step, before the next step is started."""
         if self.multi_process:
             return multihost_utils.reached_preemption_sync_point(step)
-        return self.signal is not None
+        self.checked = step  # first: a signal from here on names step + 1 (module docstring)
+        return self.stop_at is not None and self.stop_at <= step
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

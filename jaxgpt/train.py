@@ -78,6 +78,7 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
     restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")
+        ckpt.warn_routing_changes(restored.step, cfg)  # moe_top_k, capacity: legitimate, but said
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
@@ -231,28 +232,35 @@ class _Loop:
         if t.eval_every and start == 0:
             self.evaluate(state, 0, val_batches, to_global)
         self.clock.reset(start)
+        stop.begin(start)
         pending = None  # (step, metrics still on device) of the previous step
         for step in range(start + 1, t.steps + 1):
             with self.track.step_annotation(step):  # starts a logging.profile_steps trace at its first step
                 state, metrics = self.train_step(state, to_global(next(batches)))
             if pending is not None:
-                self.finish(*pending)
+                self.finish(*pending)  # the host waits here for the previous step, this one queued
             pending = (step, metrics)
             if step == start + 1:  # the first step compiled: keep it out of tokens/s
                 jax.block_until_ready(metrics)
                 self.clock.reset(step)
             self.track.step_done(step, metrics)  # ends a profile trace at its last step
             evaluate = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
-            stopping = stop.requested(step)
-            if evaluate or stopping or step == t.steps or (every and step % every == 0):
+            save = (every and step % every == 0) or step == t.steps
+            if evaluate or save:
                 self.finish(*pending)  # never save a non-finite state
                 pending = None
             if evaluate:  # before the save: a checkpoint implies its step's rows (module docstring)
                 self.evaluate(state, step, val_batches, to_global)
                 self.clock.reset(step)
-            if (every and step % every == 0) or step == t.steps or stopping:
+            if save:
                 ckpt.save(step, state, batches.get_state(), self.cfg)
-            if stopping:
+            # Last, right before the next step starts: a stop request stops after the newest step
+            # started, the step its line names (jaxgpt/preemption.py).
+            if stop.requested(step):
+                if pending is not None:
+                    self.finish(*pending)
+                if not save:
+                    ckpt.save(step, state, batches.get_state(), self.cfg)
                 ckpt.wait()
                 self.track.event("preempted", step=step, checkpoint=str(ckpt.step_path(step)))
                 raise Preempted(f"stopped at step {step}; checkpoint committed to {ckpt.step_path(step)}; "

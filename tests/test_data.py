@@ -283,6 +283,8 @@ def test_prepare_cli(tmp_path):
     text.write_text("To be, or not to be, that is the question.\n" * 10)
     ok = run_prepare_cli(text, "--out", tmp_path / "out", "--val-fraction", "0.2", "--separator", "\\n")
     assert ok.returncode == 0, ok.stderr
-    assert str(tmp_path / "out") in ok.stdout and len(ok.stdout.strip().splitlines()) == 1
+    lines = ok.stdout.strip().splitlines()  # progress, then the summary; stderr is for errors
+    assert lines[0] == "prepare: hashing 1 input file" and len(lines) == 2 and str(tmp_path / "out") in lines[1]
+    assert ok.stderr == ""
     meta = data.load_meta(tmp_path / "out")
     assert meta["val_fraction"] == 0.2 and (meta["train_documents"], meta["val_documents"]) == (8, 2)

@@ -5,13 +5,14 @@ checkpoints move between ep layouts, sampling works and HF export refuses. 8 fak
 from __future__ import annotations
 
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import layer_loops, read_metrics, restore_run, run_cli, tiny_config, train_losses
+from helpers import TINY, layer_loops, read_metrics, restore_run, run_cli, tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
 from jaxgpt import data
@@ -240,3 +241,31 @@ def test_impossible_moe_combinations(overrides, mesh, message):
 
 def test_ep_with_a_dense_model_only_splits_the_batch():
     assert validate(load_config(None, [], "dp=2,ep=4"), 8)["ep"] == 4
+
+
+@pytest.mark.parametrize("override, changed", [("model.moe_experts=4", "model.moe_experts 8 -> 4"),
+                                               ("model.moe_every=2", "model.moe_every 1 -> 2"),
+                                               ("model.moe_experts=0", "model.moe_experts 8 -> 0")])
+def test_resume_with_other_experts_names_the_key(ep_run, tmp_path, capsys, override, changed):
+    """A resume whose expert arrays do not fit says which setting changed, in one line."""
+    from jaxgpt.train import main
+
+    shutil.copytree(ep_run, tmp_path / "run")
+    args = ["--run-dir", str(tmp_path / "run"), *TINY, "train.steps=5", "train.grad_accum=2", *MOE, override]
+    assert main([*args, "--mesh", "dp=2,ep=4"]) == 2
+    assert capsys.readouterr().err == (f"error: checkpoint {tmp_path / 'run' / 'checkpoints' / '5'} does not fit the "
+                                       f"current config: {changed} (checkpoint -> this run)\n")
+
+
+def test_resume_with_other_routing_says_so_in_one_line(ep_run, tmp_path, capsys):
+    """moe_top_k and the capacity factor fit the same arrays: the resume goes on, and says so."""
+    from jaxgpt.train import main
+
+    shutil.copytree(ep_run, tmp_path / "run")
+    args = ["--run-dir", str(tmp_path / "run"), *TINY, "train.steps=5", "train.grad_accum=2", *MOE[:1],
+            "model.moe_top_k=1", "model.moe_capacity_factor=2.0", "--mesh", "dp=2,ep=4"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"warning: model.moe_top_k 2 -> 1, model.moe_capacity_factor 4.0 -> 2.0 (checkpoint "
+                   f"{tmp_path / 'run' / 'checkpoints' / '5'} -> this run): the run continues with other MoE routing\n")
+    assert "resuming from step 5" in out

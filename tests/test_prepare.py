@@ -160,7 +160,7 @@ def test_kill_9_at_any_moment_resumes_to_identical_bytes(tmp_path):
             data.resolve_data_dir(str(out))
     proc = run_prepare(*args, "--out", out)
     assert proc.wait(timeout=120) == 0, proc.stderr.read()
-    assert "resuming at input file 1" in proc.stderr.read()
+    assert "resuming at input file 1" in proc.stdout.read()
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
@@ -319,3 +319,38 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     one.write_text("Only one document here.\n")
     code, line, _, _ = cli(capsys, one, "--out", tmp_path / "o4")
     assert code == 2 and "val split is empty" in line and "--separator" in line
+
+
+def test_each_error_is_the_only_stderr_line(tmp_path, capsys):
+    """Progress goes to stdout, so an error is stderr's one line (issue 25)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    proc = run_prepare(empty, "--out", tmp_path / "o", "--workers", 1)
+    assert proc.wait(timeout=120) == 2
+    assert proc.stderr.read() == ("error: The train split is empty: 0 documents with --val-fraction "
+                                  "0.1 put none in it (add text).\n")
+    assert not (tmp_path / "o").exists()
+
+    binary = tmp_path / "bin.dat"
+    binary.write_bytes(bytes(range(128, 256)))
+    one = tmp_path / "one.txt"
+    one.write_text("x")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("y")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    val_empty = ("error: The val split is empty: 1 document with --val-fraction 0.1 put none in it "
+                 "(a text file is one document unless --separator splits it); remove {} and "
+                 "prepare again.\n")
+    for args, expected in [
+        ((binary, "--out", tmp_path / "o"),
+         f"error: {binary} is not valid UTF-8 (invalid start byte); convert it to UTF-8.\n"),
+        ((one, "--out", tmp_path / "o1"), val_empty.format(tmp_path / "o1")),
+        ((tmp_path / "d", "--out", tmp_path / "o2"), val_empty.format(tmp_path / "o2")),
+        ((one, "--out", other),
+         f"error: {other} already exists and holds another preparation (other inputs or options) "
+         "or other files; remove it or choose another output directory.\n")]:
+        code = main([str(a) for a in (*args, "--workers", "1")])
+        out, err = capsys.readouterr()
+        assert (code, err) == (2, expected), out

@@ -140,6 +140,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
                           shard_tokens, identity)
     except UserError:
         run.close()
+        show.close(failed=True)
         if fresh and not (out_dir / STATE).exists():  # bad input before anything was committed:
             shutil.rmtree(out_dir)  # leave no directory that a corrected run would refuse
         raise
@@ -236,9 +237,10 @@ class _Run:
                 hint = ("add documents or raise --val-fraction" if split == "val" else "add text")
                 if docs == 1:
                     hint = "a text file is one document unless --separator splits it"
+                kept = (self.out_dir / STATE).exists()  # else prepare_corpus removes out_dir
                 raise UserError(f"The {split} split is empty: {docs:,} document{'s' * (docs != 1)} "
-                                f"with --val-fraction {val_fraction} put none in it ({hint}); remove "
-                                f"{self.out_dir} and prepare again.")
+                                f"with --val-fraction {val_fraction} put none in it ({hint})"
+                                + (f"; remove {self.out_dir} and prepare again." if kept else "."))
         shards = {split: w.finish() for split, w in self.writers.items()}
         meta = {
             "tokenizer": tokenizer.TOKENIZER_NAME,
@@ -272,7 +274,11 @@ class _Run:
 
 
 class Progress:
-    """A tqdm bar on a terminal; otherwise a plain line every `every` seconds (logs, CI)."""
+    """A tqdm bar on a terminal; otherwise a plain line every `every` seconds (logs, CI).
+
+    Notes and plain lines go to stdout and the bar (a terminal only) to stderr, which it leaves
+    when an error ends the run: stderr then holds the error's one line and nothing else.
+    """
 
     def __init__(self, mode: str, file_sizes: list[int], every: float = 30.0):
         if mode not in ("auto", "bar", "lines"):
@@ -282,7 +288,7 @@ class Progress:
         self.total, self.every, self.bar, self.run = int(self.before[-1]), every, None, None
 
     def note(self, text: str) -> None:
-        print(f"prepare: {text}", file=sys.stderr, flush=True)
+        print(f"prepare: {text}", flush=True)
 
     def start(self, run: _Run) -> None:
         done_bytes = int(self.before[run.cursor[0]])
@@ -307,9 +313,10 @@ class Progress:
             print(f"prepare: {done / 1e6:,.0f} of {self.total / 1e6:,.0f} MB ({100 * done / max(self.total, 1):.0f}%), "
                   f"{docs:,} documents, {tokens:,} tokens, {rate / 1e6:.1f} MB/s, "
                   f"{(tokens - self.tokens0) / max(elapsed, 1e-9):,.0f} tokens/s, ETA {eta:.0f} s",
-                  file=sys.stderr, flush=True)
+                  flush=True)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.bar is not None:
+            self.bar.leave = not failed  # an error's line replaces the bar
             self.bar.close()
             self.bar = None
