@@ -5,6 +5,7 @@ are one `error: ...` line on stderr and exit code 2, with no traceback. Running 
 again resumes an interrupted preparation, or does nothing if it finished.
 """
 
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,14 +45,29 @@ def _prepare(argv: Sequence[str] | None) -> None:
     separator = args.separator
     if separator is not None:
         separator = separator.encode("latin-1", "backslashreplace").decode("unicode_escape")
-    prepare_corpus(args.inputs, args.out, text_field=args.text_field, separator=separator,
-                   val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
-                   workers=args.workers, skip_bad_lines=args.skip_bad_lines, progress=args.progress,
-                   batch_chars=max(1, int(args.batch_mb * 1e6)))
+    try:
+        prepare_corpus(args.inputs, args.out, text_field=args.text_field, separator=separator,
+                       val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
+                       workers=args.workers, skip_bad_lines=args.skip_bad_lines,
+                       progress=args.progress, batch_chars=max(1, int(args.batch_mb * 1e6)))
+    except KeyboardInterrupt:
+        raise Interrupted(args.out) from None
+
+
+class Interrupted(Exception):
+    """Ctrl-C: what was recorded stays; the same command resumes after it (corpus.py)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_main(_prepare, argv)
+    try:
+        return run_main(_prepare, argv)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut this line short
+        where = (f"{e.args[0]} keeps what was prepared; " if isinstance(e, Interrupted)
+                 and Path(e.args[0]).exists() else "")
+        print(f"interrupted: {where}run the same command again to "
+              f"{'resume' if where else 'prepare'}", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

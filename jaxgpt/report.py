@@ -144,8 +144,27 @@ def _setup_rows(start: dict | None, starts: list[dict], cfg: dict) -> list[tuple
             ("effective batch", effective), ("sequence length", str(seq) if seq else unknown),
             ("precision", precision), ("attention kernel", attention), ("checkpoints", cadence),
             ("parameters", f"{s['params'] / 1e6:.1f}M" if "params" in s else unknown),
-            ("data", f"mixture {_get(cfg, 'data', 'mix')}" if _get(cfg, "data", "mix")
-             else str(_get(cfg, "data", "path", unknown)))]
+            ("data", _data(s, cfg))]
+
+
+def _data(start: dict, cfg: dict) -> str:
+    """The data row: each directory with its tokenizer and token counts (and weight, in a mixture),
+    as the start event recorded them; older runs' events lack them and show the config's names."""
+    sources = start.get("data_sources")
+    if not isinstance(sources, list) or not sources:
+        mix, path = _get(cfg, "data", "mix", kind=str), _get(cfg, "data", "path", kind=str)
+        return f"mixture {mix}" if mix else path or start.get("data") or "unknown"
+
+    def one(d: dict) -> str:
+        name = "the bundled shakespeare" if d.get("name") == "shakespeare" else None
+        where = f"{name} (`{d.get('dir')}`)" if name else f"`{d.get('dir')}`"
+        counts = [f"{d[k]:,} {k.split('_')[0]}" for k in ("train_tokens", "val_tokens") if isinstance(d.get(k), int)]
+        docs = f", {d['documents']:,} documents" if isinstance(d.get("documents"), int) else ""
+        return f"{where}: {d.get('tokenizer', 'unknown')} tokens, {' + '.join(counts)}{docs}"
+
+    if not any("weight" in d for d in sources):
+        return one(sources[0])
+    return "mixture of " + "; ".join(f"{one(d)}, weight {d.get('weight', 0):.3g}" for d in sources)
 
 
 def _throughput(train: list[dict], every: Any) -> list[str]:

@@ -55,6 +55,7 @@ import yaml
 
 from jaxgpt import files
 from jaxgpt.config import Config, LoggingConfig
+from jaxgpt.data.mix import describe_sources
 from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
 
@@ -92,7 +93,7 @@ def flat_config(cfg: Config) -> dict[str, Any]:
 EVENT_SHAPE = {"event": str, "time": files.NUMBER}
 EVENT_FIELDS = {"step": int, "mesh": dict, "devices": int, "process_count": int, "params": int, "fp8": bool,
                 "device_kind": str, "platform": str, "compute_dtype": str, "attention": str, "attention_reason": str,
-                "interconnect": str, "checkpoint": str, "wandb_id": str}
+                "interconnect": str, "checkpoint": str, "wandb_id": str, "data_sources": list}
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:
@@ -319,4 +320,4 @@ def run_info(cfg: Config, run_dir: Path, sizes: dict[str, int], devices: list[ja
             "attention": kernel, "attention_reason": kernel_reason, "params": params,
             "peak_flops_per_device": peak, "config": str((Path(run_dir) / "config.yaml").absolute()),
             "command": sys.argv, "host": socket.gethostname(), "jax": jax.__version__,
-            "data": cfg.data.mix or cfg.data.path}
+            "data": cfg.data.mix or cfg.data.path, "data_sources": describe_sources(cfg.data.path, cfg.data.mix)}

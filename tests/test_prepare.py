@@ -315,10 +315,9 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     # An output dir holding a different preparation (other options, or other files) is refused.
     code, line, _, _ = cli(capsys, bad, "--out", tmp_path / "o2", "--skip-bad-lines", "--val-fraction", "0.5")
     assert code == 2 and "holds another preparation" in line
-    one = tmp_path / "one.txt"
-    one.write_text("Only one document here.\n")
+    one = write_jsonl(tmp_path / "one.jsonl", ["Only one document here.\n"])
     code, line, _, _ = cli(capsys, one, "--out", tmp_path / "o4")
-    assert code == 2 and "val split is empty" in line and "--separator" in line
+    assert code == 2 and "val split is empty: 1 document" in line and "add documents" in line
 
 
 def test_each_error_is_the_only_stderr_line(tmp_path, capsys):
@@ -327,8 +326,7 @@ def test_each_error_is_the_only_stderr_line(tmp_path, capsys):
     empty.write_text("")
     proc = run_prepare(empty, "--out", tmp_path / "o", "--workers", 1)
     assert proc.wait(timeout=120) == 2
-    assert proc.stderr.read() == ("error: The train split is empty: 0 documents with --val-fraction "
-                                  "0.1 put none in it (add text).\n")
+    assert proc.stderr.read() == f"error: The train split is empty: {empty} holds no text.\n"
     assert not (tmp_path / "o").exists()
 
     binary = tmp_path / "bin.dat"
@@ -340,14 +338,13 @@ def test_each_error_is_the_only_stderr_line(tmp_path, capsys):
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
-    val_empty = ("error: The val split is empty: 1 document with --val-fraction 0.1 put none in it "
-                 "(a text file is one document unless --separator splits it); remove {} and "
-                 "prepare again.\n")
+    too_short = ("error: The val split is empty: the 1 character is too few in {} to split with "
+                 "--val-fraction 0.1 (add text).\n")  # one text file: val is its tail
     for args, expected in [
         ((binary, "--out", tmp_path / "o"),
          f"error: {binary} is not valid UTF-8 (invalid start byte); convert it to UTF-8.\n"),
-        ((one, "--out", tmp_path / "o1"), val_empty.format(tmp_path / "o1")),
-        ((tmp_path / "d", "--out", tmp_path / "o2"), val_empty.format(tmp_path / "o2")),
+        ((one, "--out", tmp_path / "o1"), too_short.format(one)),
+        ((tmp_path / "d", "--out", tmp_path / "o2"), too_short.format(tmp_path / "d" / "a.txt")),
         ((one, "--out", other),
          f"error: {other} already exists and holds another preparation (other inputs or options) "
          "or other files; remove it or choose another output directory.\n")]:

@@ -5,6 +5,7 @@
     writer.py   shards, the resume state and meta.json, in an order that survives any kill
     loader.py   prepared dirs -> memmapped token streams -> Grain windows -> per-process batches
     mix.py      several prepared dirs with weights (data.mix) as one stream of windows
+    integrity.py  token files checked against meta.json (size, sha256, token ids) before use
     bundled.py  the bundled tiny shakespeare and the small in-memory single-file `prepare`
 """
 
@@ -16,7 +17,8 @@ _WHERE = {"bundled_shakespeare_dir": "bundled", "prepare": "bundled", "prepare_c
           "BUNDLED": "loader", "SPLITS": "loader", "ShardedTokens": "loader", "Windows": "loader",
           "eval_batches": "loader", "load_meta": "loader", "load_split": "loader",
           "resolve_data_dir": "loader", "train_iterator": "loader",
-          "Mixture": "mix", "open_splits": "mix", "parse_mix": "mix"}
+          "Mixture": "mix", "describe_sources": "mix", "open_splits": "mix", "parse_mix": "mix",
+          "check_dir": "integrity"}
 __all__ = sorted(_WHERE)
 
 

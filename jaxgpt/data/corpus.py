@@ -16,7 +16,10 @@ The pipeline, and why its output never depends on the number of workers:
 4. Documents are assigned to val in order: document i (counting non-empty documents from 0)
    goes to val when floor((i + 1) * f) > floor(i * f) for f = val_fraction, i.e. every 1/f-th
    document, so the split is exact, streamable and never cuts a document. One `<|endoftext|>`
-   goes between consecutive documents of a split.
+   goes between consecutive documents of a split. The exception is a single text file without
+   --separator (a nanoGPT-style corpus: one document): its first int(n_chars * (1 - f))
+   characters are train and the rest val, nanoGPT's split, and the bundled shakespeare's
+   (bundled.py), token for token.
 5. writer.py appends each split's tokens to fixed-size shards and records a resume state after
    every batch; meta.json is written last.
 
@@ -30,6 +33,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -42,6 +46,7 @@ import numpy as np
 
 from jaxgpt import tokenizer
 from jaxgpt.data import readers
+from jaxgpt.data.integrity import check_dir
 from jaxgpt.data.writer import META, STATE, SplitWriter, read_state, write_json_atomically
 from jaxgpt.errors import UserError
 from jaxgpt.files import writable_dir
@@ -96,9 +101,11 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
         raise UserError(f"--workers must be positive, got {workers}.")
     started = time.time()
     out_dir = writable_dir(Path(out_dir), "--out")  # before any output: a file there is one error line
-    files = readers.find_inputs(inputs)
+    files = readers.find_inputs(inputs, exclude=out_dir)  # never the output of an earlier run
+    # One text file is one document: its val split is its last val_fraction of characters (README).
+    tail = len(files) == 1 and readers.kind(files[0]) == "text" and separator is None
     reader = readers.Reader(files, text_field=text_field, separator=separator,
-                            skip_bad_lines=skip_bad_lines)
+                            skip_bad_lines=skip_bad_lines, val_tail=val_fraction if tail else None)
     show = Progress(progress, [p.stat().st_size for p in files])
     show.note(f"hashing {len(files)} input file{'s' * (len(files) > 1)}")
     with ThreadPoolExecutor(workers) as pool:
@@ -107,25 +114,31 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.vocab_sha256(),
                 "text_field": text_field, "separator": separator, "val_fraction": val_fraction,
                 "shard_tokens": shard_tokens, "dtype": dtype.name, "piece_chars": readers.MAX_PIECE_CHARS,
-                "sources": [(s["bytes"], s["sha256"]) for s in sources]}
+                "sources": [(s["bytes"], s["sha256"]) for s in sources],
+                **({"val_split": "tail"} if tail else {})}
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
     state = read_state(out_dir, fingerprint)
     if state and state["finished"]:
         show.close()
+        meta = {k: v for k, v in state.items() if k != "finished"}
+        check_dir(out_dir, meta, fix_hint=f"remove {out_dir} and run this command again")
+        (out_dir / STATE).unlink(missing_ok=True)  # a kill between meta.json and this unlink
         print(f"{out_dir} already holds this preparation; nothing to do", flush=True)
-        return {k: v for k, v in state.items() if k != "finished"}
-    fresh = state is None  # out_dir is missing or empty
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    run = _Run(out_dir, reader, dtype, shard_tokens, Fraction(val_fraction).limit_denominator(10**6),
-               state, fingerprint)
+        return meta
+    fresh = state is None  # out_dir is missing, empty, or holds only a killed first batch's files
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        run = _Run(out_dir, reader, dtype, shard_tokens, Fraction(val_fraction).limit_denominator(10**6),
+                   state, fingerprint, tail)
+    except OSError as e:
+        raise UserError(f"Cannot write to --out {out_dir}: {e.strerror}.") from None
     if state:
         show.note(f"resuming at input file {state['cursor'][0] + 1} of {len(files)}, "
                   f"{run.tokens():,} tokens already written")
     show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
-        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        with multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init) as pool:
             in_flight: deque = deque()
             for batch, cursor, bad_lines in run.batches(batch_chars):
                 tasks = _tasks([text for text, _ in batch])
@@ -138,11 +151,18 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
                 show.update(run.cursor, reader.file_bytes_read)
         meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
                           shard_tokens, identity)
-    except UserError:
+    except OSError as e:  # reading errors are UserErrors already: this is the output (full, read-only)
         run.close()
         show.close(failed=True)
-        if fresh and not (out_dir / STATE).exists():  # bad input before anything was committed:
-            shutil.rmtree(out_dir)  # leave no directory that a corrected run would refuse
+        raise UserError(f"Cannot write to {e.filename or out_dir}: {e.strerror}; fix that and run the "
+                        "same command again to resume.") from None
+    except UserError as e:
+        run.close()
+        show.close(failed=True)
+        # Bad input before anything was committed, or a split left empty (nothing to resume: the
+        # same input empties it again): leave no directory that a corrected run would refuse.
+        if fresh and (not (out_dir / STATE).exists() or isinstance(e, EmptySplit)):
+            shutil.rmtree(out_dir)
         raise
     finally:
         run.close()
@@ -159,6 +179,15 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     return meta
 
 
+class EmptySplit(UserError):
+    """The input fills only one split: there is nothing to resume."""
+
+
+def _worker_init() -> None:
+    """Workers leave Ctrl-C to the main process, which stops them and prints one line."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _tasks(texts: list[str]) -> list[list[str]]:
     tasks, size = [[]], 0
     for t in texts:
@@ -173,8 +202,10 @@ def _tasks(texts: list[str]) -> list[list[str]]:
 class _Run:
     """One preparation's mutable state: the input cursor, counts and the two split writers."""
 
-    def __init__(self, out_dir, reader, dtype, shard_tokens, val_fraction, state, fingerprint):
+    def __init__(self, out_dir, reader, dtype, shard_tokens, val_fraction, state, fingerprint, tail=False):
         self.out_dir, self.reader, self.val_fraction, self.fingerprint = out_dir, reader, val_fraction, fingerprint
+        self.fresh = state is None  # this session created out_dir's preparation
+        self.tail = tail  # one text file: document 0 is its head (train), document 1 its tail (val)
         s = state or {"cursor": [0, 0], "documents": {"train": 0, "val": 0}, "current_split": None,
                       "text_bytes": 0, "bad_lines": 0, "splits": {"train": None, "val": None}}
         self.cursor, self.documents = list(s["cursor"]), dict(s["documents"])
@@ -202,6 +233,8 @@ class _Run:
                 yield batch, (i, n), self.reader.bad_lines
 
     def _is_val(self, doc: int) -> bool:
+        if self.tail:
+            return doc > 0
         f = self.val_fraction
         return math.floor((doc + 1) * f) > math.floor(doc * f)
 
@@ -235,12 +268,18 @@ class _Run:
         for split in ("train", "val"):
             if not self.writers[split].total:
                 hint = ("add documents or raise --val-fraction" if split == "val" else "add text")
-                if docs == 1:
-                    hint = "a text file is one document unless --separator splits it"
-                kept = (self.out_dir / STATE).exists()  # else prepare_corpus removes out_dir
-                raise UserError(f"The {split} split is empty: {docs:,} document{'s' * (docs != 1)} "
-                                f"with --val-fraction {val_fraction} put none in it ({hint})"
-                                + (f"; remove {self.out_dir} and prepare again." if kept else "."))
+                kept = not self.fresh  # else prepare_corpus removes out_dir
+                end = f"; remove {self.out_dir} and prepare again." if kept else "."
+                if self.tail:
+                    path = self.reader.files[0]
+                    chars = self.reader.tail_cut(path)[0]
+                    if not chars:
+                        raise EmptySplit(f"The {split} split is empty: {path} holds no text{end}")
+                    raise EmptySplit(f"The {split} split is empty: the {chars:,} character"
+                                    f"{'s are' if chars != 1 else ' is'} too few in {path} to split with "
+                                    f"--val-fraction {val_fraction} (add text){end}")
+                raise EmptySplit(f"The {split} split is empty: {docs:,} document{'s' * (docs != 1)} "
+                                f"with --val-fraction {val_fraction} put none in it ({hint}){end}")
         shards = {split: w.finish() for split, w in self.writers.items()}
         meta = {
             "tokenizer": tokenizer.TOKENIZER_NAME,
@@ -257,6 +296,7 @@ class _Run:
             "sources": sources,
             "sources_sha256": hashlib.sha256("".join(s["sha256"] for s in sources).encode()).hexdigest(),
             "val_fraction": val_fraction,
+            **({"val_split": "tail"} if self.tail else {}),
             "text_field": text_field,
             "separator": separator,
             "shard_tokens": shard_tokens,
@@ -266,6 +306,7 @@ class _Run:
         }
         write_json_atomically(self.out_dir / META, meta)
         (self.out_dir / STATE).unlink()
+        (self.out_dir / f".{STATE}.tmp").unlink(missing_ok=True)  # a kill mid-write, long replaced
         return meta
 
     def close(self) -> None:

@@ -11,9 +11,12 @@ Grain turns the weights into integers (the smallest scaled to 100), so shares ar
 1%. Evaluation mixes the components' val windows the same way, unshuffled.
 """
 
+from pathlib import Path
+
 import grain
 import numpy as np
 
+from jaxgpt.data.integrity import check_dir
 from jaxgpt.data.loader import Windows, load_meta, load_split, resolve_data_dir
 from jaxgpt.errors import UserError
 
@@ -64,16 +67,38 @@ class Mixture:
         return grain.MapDataset.mix(components, self.weights)
 
 
-def open_splits(path: str, mix: str = ""):
-    """(train, val, vocab_size, description) for data.path, or for data.mix when it is set."""
+def open_splits(path: str, mix: str = "", cache: Path | None = None):
+    """(train, val, vocab_size, description) for data.path, or for data.mix when it is set.
+
+    Every token file is checked against its meta.json first (integrity.py); `cache` (a run dir's
+    data-verified.json) remembers the files already checked.
+    """
     if not mix:
         data_dir = resolve_data_dir(path)
+        check_dir(data_dir, load_meta(data_dir), cache=cache)
         return (load_split(data_dir, "train"), load_split(data_dir, "val"),
                 load_meta(data_dir)["vocab_size"], path)
     parsed = parse_mix(mix)
     dirs = [resolve_data_dir(name) for name, _ in parsed]
+    for d in dirs:
+        check_dir(d, load_meta(d), cache=cache)
     names, weights = [n for n, _ in parsed], [w for _, w in parsed]
     splits = [Mixture(names, [load_split(d, s) for d in dirs], weights) for s in ("train", "val")]
     vocab = max(load_meta(d)["vocab_size"] for d in dirs)
     return splits[0], splits[1], vocab, splits[0].describe()
 
+
+def describe_sources(path: str, mix: str = "") -> list[dict]:
+    """What a run trains on, for events.jsonl and report.md: each directory (resolved) with its
+    weight (a mixture only), tokenizer and token and document counts (as its meta.json records)."""
+    parsed = parse_mix(mix) if mix else [(path, None)]
+    out = []
+    for name, weight in parsed:
+        d = resolve_data_dir(name)
+        meta = load_meta(d)
+        docs = [meta.get(f"{s}_documents") for s in ("train", "val")]
+        out.append({"name": name, "dir": str(d.absolute()), **({"weight": weight} if mix else {}),
+                    "tokenizer": meta.get("tokenizer", "unknown"),
+                    "train_tokens": meta["train_tokens"], "val_tokens": meta["val_tokens"],
+                    **({"documents": sum(docs)} if all(isinstance(n, int) for n in docs) else {})})
+    return out

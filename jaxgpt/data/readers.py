@@ -24,6 +24,7 @@ import gzip
 import io
 import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -35,30 +36,68 @@ MAX_PIECE_CHARS = 1 << 20
 _READ_CHARS = 1 << 20
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 COMPRESSED = (".gz", ".zst")
+BOM = b"\xef\xbb\xbf"
 
 
-def find_inputs(inputs: Sequence[str | Path]) -> list[Path]:
-    """Files, directories (recursively) and globs -> the input files, each group sorted."""
+def find_inputs(inputs: Sequence[str | Path], exclude: Path | None = None) -> list[Path]:
+    """Files, directories (recursively) and globs -> the input files, each group sorted.
+
+    Directories are walked following symbolic links, each real directory once (a link loop ends
+    there). A file reached twice (named twice, or through a link) is read once, with a warning.
+    Files under `exclude` (the output directory, when it sits inside an input directory) are
+    left out, so a re-run never reads its own shards back as input.
+    """
     files: list[Path] = []
+    seen: dict[str, Path] = {}
+    skip = os.path.realpath(exclude) if exclude is not None else None
+
+    def excluded(real: str) -> bool:
+        return skip is not None and (real == skip or real.startswith(skip.rstrip(os.sep) + os.sep))
+
     for item in map(str, inputs):
         path = Path(item).expanduser()
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            every = sorted(_walk(path))
+            found = [p for p in every if not excluded(os.path.realpath(p))]
             if not found:
-                raise UserError(f"Input directory {path} holds no files.")
+                raise UserError(f"Input directory {path} holds no files"
+                                + (f" besides the output directory {exclude}." if every else "."))
         elif path.exists():
             found = [path]
         elif glob.has_magic(item):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(item), recursive=True)
-                           if Path(p).is_file())
+                           if Path(p).is_file() and not excluded(os.path.realpath(p)))
             if not found:
                 raise UserError(f"Input pattern {item!r} matches no files.")
         else:
             raise UserError(f"Input {path} does not exist.")
-        files.extend(found)
+        for f in found:
+            real = os.path.realpath(f)
+            if real in seen:
+                also = "" if str(seen[real]) == str(f) else f" (also as {seen[real]})"
+                print(f"warning: input {f} is named more than once{also}; reading it once",
+                      file=sys.stderr, flush=True)
+                continue
+            seen[real] = f
+            files.append(f)
     if not files:
         raise UserError("No input files given to prepare.")
     return files
+
+
+def _walk(top: Path) -> Iterator[Path]:
+    """The visible files under `top`, following directory links, each real directory once."""
+    visited = set()
+    for root, dirs, names in os.walk(top, followlinks=True):
+        real = os.path.realpath(root)
+        if real in visited:
+            dirs[:] = []
+            continue
+        visited.add(real)
+        for name in names:
+            p = Path(root) / name
+            if not name.startswith(".") and p.is_file():
+                yield p
 
 
 def kind(path: Path) -> str:
@@ -105,10 +144,12 @@ class Reader:
     """Pieces of every input file in order; counts skipped bad lines and bytes read."""
 
     def __init__(self, files: Sequence[Path], *, text_field: str = "text", separator: str | None = None,
-                 skip_bad_lines: bool = False, max_chars: int = MAX_PIECE_CHARS):
+                 skip_bad_lines: bool = False, max_chars: int = MAX_PIECE_CHARS,
+                 val_tail: float | None = None):
         if separator == "":
             raise UserError("--separator must not be empty.")
         self.files, self.text_field, self.separator = list(files), text_field, separator
+        self.val_tail = val_tail  # text files: the last val_tail of the characters is a second document
         self.skip_bad_lines, self.max_chars = skip_bad_lines, max_chars
         self.bad_lines = 0
         self.file_bytes_read = 0  # of the file being read, for progress
@@ -143,7 +184,7 @@ class Reader:
         if name.endswith(".gz"):
             return raw, gzip.GzipFile(fileobj=raw)
         if name.endswith(".zst"):
-            return raw, zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+            return raw, _ZstdStream(raw)
         return raw, raw
 
     def _lines(self, path: Path) -> Iterator[tuple[int, bytes]]:
@@ -152,8 +193,14 @@ class Reader:
             try:
                 for lineno, line in enumerate(io.BufferedReader(f, 1 << 20) if f is not raw else f, 1):
                     self.file_bytes_read = raw.tell()
+                    if lineno == 1 and line.startswith(BOM):  # Notepad's UTF-8 signature
+                        line = line[len(BOM):]
                     yield lineno, line
-            except (OSError, EOFError, zstandard.ZstdError) as e:  # gzip.BadGzipFile is an OSError
+            except (EOFError, Truncated) as e:  # a stream cut short, whatever --skip-bad-lines says
+                kind = "zstd" if isinstance(e, Truncated) else "gzip"
+                raise UserError(f"{path} is cut short: its {kind} stream ends before its end marker "
+                                "(an interrupted download or copy?); fetch the file again.") from None
+            except (OSError, zstandard.ZstdError) as e:  # gzip.BadGzipFile is an OSError
                 raise UserError(f"Cannot read {path}: {e} (a damaged or wrongly named file?).") from None
 
     def _bad(self, path: Path, lineno: int, why: str) -> None:
@@ -163,18 +210,24 @@ class Reader:
         self.bad_lines += 1
 
     def _jsonl(self, path: Path) -> Iterator[str]:
-        field = self.text_field
+        field, first = self.text_field, True
         for lineno, line in self._lines(path):
             if not line.strip():
                 continue
+            first, is_first = False, first
             try:
                 obj = json.loads(line.decode("utf-8"))
             except UnicodeDecodeError as e:
                 self._bad(path, lineno, f"not valid UTF-8 ({e.reason} at byte {e.start} of the line)")
                 continue
             except json.JSONDecodeError as e:
+                if is_first and line.strip() in (b"[", b"{"):
+                    _not_lines(path, "one JSON array" if line.strip() == b"[" else "one JSON object "
+                               "over several lines")
                 self._bad(path, lineno, f"not valid JSON ({e.msg} at column {e.colno})")
                 continue
+            if is_first and isinstance(obj, list):
+                _not_lines(path, "a JSON array")
             if not isinstance(obj, dict) or field not in obj:
                 keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
                 self._bad(path, lineno, f"no {field!r} field (found: {keys or 'none'}); choose the "
@@ -200,7 +253,7 @@ class Reader:
             raise UserError(f"{path} has no column {self.text_field!r} (columns: {', '.join(names)}); "
                             "choose the column with --text-field.")
         column_type = pf.schema_arrow.field(self.text_field).type
-        if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        if not _is_text(column_type):
             raise UserError(f"Column {self.text_field!r} of {path} holds {column_type}, not strings.")
         size, meta = path.stat().st_size, pf.metadata
         total = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) or 1
@@ -216,13 +269,12 @@ class Reader:
         except pa.ArrowException as e:
             raise UserError(f"Cannot read {path}: {e}.") from None
 
-    def _text(self, path: Path) -> Iterator[list[tuple[str, bool]]]:
-        """Pieces (not whole documents): one text file may be far larger than memory."""
+    def _chunks(self, path: Path) -> Iterator[str]:
+        """The decoded text in chunks of _READ_CHARS characters, then "" at the end."""
         try:
-            f = open(path, encoding="utf-8", newline=None)
+            f = open(path, encoding="utf-8-sig", newline=None)  # a leading BOM is not text
         except OSError as e:
             raise UserError(f"Cannot read {path}: {e.strerror}.") from None
-        sep, buf, first = self.separator, "", True
         with f:
             while True:
                 try:
@@ -230,31 +282,126 @@ class Reader:
                 except UnicodeDecodeError as e:
                     raise UserError(f"{path} is not valid UTF-8 ({e.reason}); convert it to UTF-8.") from None
                 self.file_bytes_read = f.buffer.tell()
-                buf += chunk
-                out = []
-                if sep is not None:
-                    *docs, buf = buf.split(sep)
-                    for doc in docs:
-                        out.extend(_continue(split_document(doc, self.max_chars), first))
-                        first = True
+                yield chunk
                 if not chunk:
-                    out.extend(_continue(split_document(buf, self.max_chars), first))
-                    yield out
                     return
-                # A long document: emit its head where it is safe, keeping a possible separator whole.
-                limit = len(buf) - (len(sep) - 1 if sep else 0)
-                while limit > self.max_chars:
-                    p = safe_cut(buf, 0, self.max_chars)
-                    if p < 0:
-                        p = safe_cut(buf, 0, limit)  # a longer piece, but still a safe one
-                    if p < 0:
-                        break
-                    out.append((buf[:p], first))
-                    buf, first, limit = buf[p:], False, limit - p
+
+    def tail_cut(self, path: Path) -> tuple[int, int]:
+        """(characters, where the tail starts) of a text file read as one document (val_tail)."""
+        n = sum(map(len, self._chunks(path)))
+        return n, int(n * (1.0 - self.val_tail))
+
+    def _text(self, path: Path) -> Iterator[list[tuple[str, bool]]]:
+        """Pieces (not whole documents): one text file may be far larger than memory."""
+        chunks = self._chunks(path)
+        if self.val_tail is not None:
+            chunks = _cut_at(chunks, self.tail_cut(path)[1])
+        sep, buf, first = self.separator, "", True
+        for chunk in chunks:
+            out = []
+            if chunk is _CUT:  # the document ends here; what follows is another (val_tail)
+                out.extend(_continue(split_document(buf, self.max_chars), first))
+                buf, first = "", True
                 yield out
+                continue
+            buf += chunk
+            if sep is not None:
+                *docs, buf = buf.split(sep)
+                for doc in docs:
+                    out.extend(_continue(split_document(doc, self.max_chars), first))
+                    first = True
+            if not chunk:
+                out.extend(_continue(split_document(buf, self.max_chars), first))
+                yield out
+                return
+            # A long document: emit its head where it is safe, keeping a possible separator whole.
+            limit = len(buf) - (len(sep) - 1 if sep else 0)
+            while limit > self.max_chars:
+                p = safe_cut(buf, 0, self.max_chars)
+                if p < 0:
+                    p = safe_cut(buf, 0, limit)  # a longer piece, but still a safe one
+                if p < 0:
+                    break
+                out.append((buf[:p], first))
+                buf, first, limit = buf[p:], False, limit - p
+            yield out
+
+
+_CUT = object()
 
 
 def _continue(pieces: Iterator[tuple[str, bool]], first: bool) -> Iterator[tuple[str, bool]]:
     """A document's pieces, the first marked as a start only if the document starts here."""
     for i, (text, _) in enumerate(pieces):
         yield text, first and i == 0
+
+
+def _cut_at(chunks: Iterator[str], cut: int) -> Iterator:
+    """The chunks (ending with "") with _CUT inserted after exactly `cut` characters."""
+    seen = 0
+    for chunk in chunks:
+        eof = not chunk
+        if seen is not None and (seen + len(chunk) > cut or eof):
+            k = max(cut - seen, 0)
+            if k:
+                yield chunk[:k]
+            yield _CUT
+            chunk, seen = chunk[k:], None
+        elif seen is not None:
+            seen += len(chunk)
+        if chunk or eof:
+            yield chunk
+
+
+def _not_lines(path: Path, what: str) -> None:
+    raise UserError(f"{path} holds {what}, not JSON Lines (one object per line); convert it, e.g. "
+                    f"`jq -c '.[]' {path} > {path.with_suffix('.jsonl').name}`.")
+
+
+def _is_text(t) -> bool:
+    """Every Arrow string type (string, large_string, string_view), dictionary-encoded or not."""
+    import pyarrow as pa
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+
+
+class Truncated(Exception):
+    """A compressed stream ended inside a frame."""
+
+
+class _ZstdStream(io.RawIOBase):
+    """A zstd file's decompressed bytes, every frame, read to the end of the last frame.
+
+    zstandard's `stream_reader` returns a clean end of file when the input stops inside a frame,
+    so a truncated file would read as a shorter one; this reader raises `Truncated` instead.
+    """
+
+    def __init__(self, raw):
+        self.raw, self.out, self.pos, self.in_frame = raw, b"", 0, False
+        self.dctx = zstandard.ZstdDecompressor()
+        self.dobj = self.dctx.decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self.pos == len(self.out):
+            chunk = self.raw.read(_READ_CHARS)
+            if not chunk:
+                if self.in_frame:
+                    raise Truncated
+                return 0
+            out = []
+            while chunk:
+                self.in_frame = True
+                out.append(self.dobj.decompress(chunk))
+                chunk = b""
+                if self.dobj.eof:  # a frame ended: the rest of the chunk starts the next one
+                    chunk, self.in_frame = self.dobj.unused_data, False
+                    self.dobj = self.dctx.decompressobj()
+            self.out, self.pos = b"".join(out), 0
+        n = min(len(buffer), len(self.out) - self.pos)
+        buffer[:n] = self.out[self.pos:self.pos + n]
+        self.pos += n
+        return n

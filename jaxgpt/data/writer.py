@@ -26,6 +26,7 @@ and the loader refuses it.
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,9 @@ from jaxgpt.errors import UserError
 
 STATE = ".prepare-state.json"
 META = "meta.json"
+# What a preparation writes before its first state: shards (partial or, for a tiny shard size,
+# finished) and the state's or meta.json's temporary file. A directory holding only these is free.
+_LEFTOVER = re.compile(r"(train|val)-\d{5}\.bin(\.partial)?|\.(\.prepare-state|meta)\.json\.tmp")
 
 
 def shard_name(split: str, index: int) -> str:
@@ -136,10 +140,13 @@ class SplitWriter:
 def read_state(out_dir: Path, fingerprint: str) -> dict | None:
     """The resume state of an unfinished identical preparation, None if out_dir is free, else UserError.
 
+    Free is missing, empty, or holding only the files of a run killed before its first state (the
+    shards it started are truncated or removed when writing begins).
+
     A finished identical preparation returns its meta.json with "finished": True.
     """
-    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-        return None
+    if not out_dir.exists() or (out_dir.is_dir() and all(_LEFTOVER.fullmatch(p.name) for p in out_dir.iterdir())):
+        return None  # empty, or what a run killed before recording its first batch left: start over
     for name in (META, STATE):
         path = out_dir / name
         if path.is_file():

@@ -1,0 +1,224 @@
+"""Data and run integrity (issue 20): every input shape a user has, damaged inputs and shards, and
+`prepare` re-runnable at every instant. Each bad case asserts the exact line the user sees.
+
+Corpora are a few hundred of the bundled shakespeare's paragraphs; preparations run the real
+worker pool with one worker, and the kill and Ctrl-C tests a real `python -m jaxgpt.prepare`.
+"""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from jaxgpt import data, tokenizer
+from jaxgpt.data import readers, writer
+from jaxgpt.data.corpus import prepare_corpus
+from jaxgpt.errors import UserError
+from jaxgpt.prepare import main as prepare_main
+from jaxgpt.report import render
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt"
+DOCS = SHAKESPEARE.read_text().split("\n\n")
+KW = dict(workers=1, progress="lines", shard_tokens=5_000)
+
+
+def jsonl_bytes(docs) -> bytes:
+    return b"".join(json.dumps({"text": d}).encode() + b"\n" for d in docs)
+
+
+def files_of(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+def tokens_of(out: Path, split: str = "train") -> list[int]:
+    t = data.load_split(out, split)
+    return list(np.asarray(t[0:len(t)]))
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """`python -m jaxgpt.prepare ARGS` in this process: (exit code, stdout, stderr)."""
+    code = prepare_main([str(a) for a in (*args, "--workers", "1")])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- compressed inputs read to the end
+
+
+def test_a_truncated_gzip_or_zstd_stream_is_one_error_even_when_skipping_bad_lines(tmp_path, capsys):
+    raw = jsonl_bytes(DOCS[:300])
+    for suffix, compress in ((".zst", zstandard.ZstdCompressor().compress), (".gz", gzip.compress)):
+        whole = compress(raw)
+        cut = tmp_path / f"cut.jsonl{suffix}"
+        cut.write_bytes(whole[:int(len(whole) * 0.6)])
+        kind = {".zst": "zstd", ".gz": "gzip"}[suffix]
+        code, _, err = cli(capsys, cut, "--out", tmp_path / "o", "--skip-bad-lines")
+        assert (code, err) == (2, f"error: {cut} is cut short: its {kind} stream ends before its end "
+                                  "marker (an interrupted download or copy?); fetch the file again.\n")
+        assert not (tmp_path / "o").exists()
+    # Several zstd frames back to back (zstd -c a b > ab.zst) and an empty file read whole.
+    frames = tmp_path / "frames.jsonl.zst"
+    frames.write_bytes(b"".join(zstandard.ZstdCompressor().compress(jsonl_bytes(DOCS[i:i + 100]))
+                                for i in (0, 100, 200)))
+    (tmp_path / "empty.jsonl.zst").write_bytes(b"")
+    reader = readers.Reader([frames, tmp_path / "empty.jsonl.zst"])
+    assert [p for p, _ in reader.pieces(0)] == [d for d in DOCS[:300] if d]
+    assert list(reader.pieces(1)) == []
+
+
+# ---------------------------------------------------------------- input shapes
+
+
+def test_input_shapes_people_have(tmp_path, capsys):
+    docs = DOCS[:40]
+    # A UTF-8 BOM (Windows Notepad) starts no document and is no token, in JSON Lines and in text.
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(readers.BOM + jsonl_bytes(docs))
+    assert [p for p, _ in readers.Reader([bom]).pieces(0)] == docs
+    text = tmp_path / "bom.txt"
+    text.write_bytes(readers.BOM + docs[0].encode())
+    assert [p for p, _ in readers.Reader([text]).pieces(0)] == [docs[0]]
+
+    # Parquet: every Arrow string type, dictionary-encoded or not, reads as the same documents.
+    for name, array in [("string", pa.array(docs)), ("large_string", pa.array(docs, pa.large_string())),
+                        ("string_view", pa.array(docs, pa.string_view())),
+                        ("dictionary", pa.array(docs).dictionary_encode())]:
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"text": array}), path)
+        assert [p for p, _ in readers.Reader([path]).pieces(0)] == docs, name
+
+    # A JSON array is not JSON Lines: say so, not "--text-field".
+    for content in (json.dumps([{"text": d} for d in docs[:3]]), json.dumps([{"text": "a"}], indent=2)):
+        array = tmp_path / "array.json"
+        array.write_text(content)
+        code, _, err = cli(capsys, array, "--out", tmp_path / "o")
+        assert (code, err) == (2, f"error: {array} holds {'a' if content[1] == '{' else 'one'} JSON array, "
+                                  "not JSON Lines (one object per line); convert it, e.g. "
+                                  f"`jq -c '.[]' {array} > array.jsonl`.\n")
+
+    # Symlinked directories are followed, each once (a link loop ends); a file named twice is read
+    # once, with a warning.
+    tree = tmp_path / "tree"
+    (tree / "real").mkdir(parents=True)
+    (tree / "real" / "a.txt").write_text("alpha")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("beta")
+    (tree / "linked").symlink_to(tmp_path / "elsewhere")
+    (tree / "real" / "loop").symlink_to(tree)
+    found = readers.find_inputs([tree, tree / "real" / "a.txt"])
+    _, err = capsys.readouterr()
+    assert found == [tree / "linked" / "b.txt", tree / "real" / "a.txt"]
+    assert err == f"warning: input {tree / 'real' / 'a.txt'} is named more than once; reading it once\n"
+
+
+def test_an_output_dir_inside_an_input_dir_is_not_read_back(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "c.jsonl").write_bytes(jsonl_bytes(DOCS[:200]))
+    out = corpus / "prepared"
+    first = prepare_corpus([corpus], out, **KW)
+    again = prepare_corpus([corpus], out, **KW)  # the shards under out are not inputs
+    assert again == first and [s["path"] for s in first["sources"]] == [str(corpus / "c.jsonl")]
+    capsys.readouterr()
+    assert readers.find_inputs([corpus], exclude=out) == [corpus / "c.jsonl"]
+    with pytest.raises(UserError, match="holds no files besides the output directory"):
+        readers.find_inputs([out], exclude=out)
+
+
+# ---------------------------------------------------------------- prepare re-runnable at every instant
+
+
+def test_leftovers_of_a_run_killed_before_its_first_record_are_not_another_preparation(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS[:300]))
+    prepare_corpus([corpus], tmp_path / "ref", **KW)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("train-00000.bin.partial", "val-00000.bin.partial", "..prepare-state.json.tmp"):
+        (out / name).write_bytes(b"")
+    (out / "train-00000.bin").write_bytes(b"\x01\x02" * 100)  # a shard filled by the first batch
+    (out / "train-00003.bin.partial").write_bytes(b"\x07" * 10)
+    prepare_corpus([corpus], out, **KW)
+    assert files_of(out) == files_of(tmp_path / "ref")
+    # Someone else's files are still refused.
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(UserError, match="holds another preparation"):
+        prepare_corpus([corpus], tmp_path / "mine", **KW)
+
+
+# ---------------------------------------------------------------- shards checked before training
+
+
+def test_a_tampered_shard_is_refused_before_training(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS[:300]))
+    out = tmp_path / "out"
+    prepare_corpus([corpus], out, **KW)
+    cache = tmp_path / "run" / "data-verified.json"
+    data.open_splits(str(out), cache=cache)
+    assert data.check_dir(out, data.load_meta(out), cache=cache) == 0  # every verdict remembered
+    shard = out / "train-00001.bin"
+    with open(shard, "r+b") as f:  # same size, other bytes, one id outside the vocabulary
+        f.seek(100)
+        f.write(b"\xff\xff" * 8)
+    sha = data.load_meta(out)["shards"]["train"][1]["sha256"]
+    import hashlib
+    got = hashlib.sha256(shard.read_bytes()).hexdigest()
+    with pytest.raises(UserError) as e:
+        data.open_splits(str(out), cache=cache)
+    assert str(e.value) == (
+        f"{shard} does not match meta.json: its sha256 is {got[:16]}..., not {sha[:16]}... and holds "
+        "token id 65535, outside the vocabulary of 50,257 ids (changed or damaged after it was "
+        "prepared); prepare the data again with `python -m jaxgpt.prepare INPUT... --out DIR`.")
+
+    # The single-file layout records no hashes: its token ids are still checked.
+    single = tmp_path / "single"
+    single.mkdir()
+    np.asarray([1, 2, 3, 65535, 5], "<u2").tofile(single / "train.bin")
+    np.asarray([1, 2], "<u2").tofile(single / "val.bin")
+    (single / "meta.json").write_text(json.dumps({
+        "tokenizer": "gpt2", "tokenizer_sha256": tokenizer.vocab_sha256(), "vocab_size": 50257,
+        "train_tokens": 5, "val_tokens": 2}))
+    with pytest.raises(UserError) as e:
+        data.open_splits(str(single))
+    assert str(e.value) == (
+        f"{single / 'train.bin'} holds token id 65535 at token 3, outside the vocabulary of 50,257 ids "
+        "(not written by jaxgpt.prepare, or damaged); prepare the data again with "
+        "`python -m jaxgpt.prepare INPUT... --out DIR`.")
+
+
+# ---------------------------------------------------------------- the report names the data
+
+
+def test_report_names_the_data_dirs_with_counts_and_weights(tmp_path):
+    start = {"event": "start", "time": 0.0, "step": 0, "data": "web:0.7,code:0.3", "data_sources": [
+        {"name": "web", "dir": "/d/web", "weight": 0.7, "tokenizer": "gpt2", "train_tokens": 1_000_000,
+         "val_tokens": 5_000, "documents": 321},
+        {"name": "code", "dir": "/d/code", "weight": 0.3, "tokenizer": "gpt2", "train_tokens": 2_000,
+         "val_tokens": 100}]}
+    row = next(line for line in render(tmp_path, [], [start], {}).splitlines() if line.startswith("| data |"))
+    assert row == ("| data | mixture of `/d/web`: gpt2 tokens, 1,000,000 train + 5,000 val, 321 documents, "
+                   "weight 0.7; `/d/code`: gpt2 tokens, 2,000 train + 100 val, weight 0.3 |")
+    single = {**start, "data": "shakespeare", "data_sources": [
+        {"name": "shakespeare", "dir": "/c/shakespeare-1", "tokenizer": "gpt2", "train_tokens": 301_966,
+         "val_tokens": 36_059}]}
+    row = next(line for line in render(tmp_path, [], [single], {}).splitlines() if line.startswith("| data |"))
+    assert row == ("| data | the bundled shakespeare (`/c/shakespeare-1`): gpt2 tokens, 301,966 train + "
+                   "36,059 val |")
+    # An older run's events say nothing more than the config does: its data.path, not "unknown".
+    old = {"event": "start", "time": 0.0, "step": 0}
+    row = next(line for line in render(tmp_path, [], [old], {"data": {"path": "/d/web", "mix": ""}}).splitlines()
+               if line.startswith("| data |"))
+    assert row == "| data | /d/web |"
