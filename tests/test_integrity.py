@@ -222,3 +222,121 @@ def test_report_names_the_data_dirs_with_counts_and_weights(tmp_path):
     row = next(line for line in render(tmp_path, [], [old], {"data": {"path": "/d/web", "mix": ""}}).splitlines()
                if line.startswith("| data |"))
     assert row == "| data | /d/web |"
+
+
+def test_a_tampered_shard_stops_training_and_a_prepare_rerun(tmp_path, capsys):
+    from jaxgpt.train import main as train_main
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS[:300]))
+    out = tmp_path / "out"
+    assert cli(capsys, corpus, "--out", out, "--shard-tokens", 5000)[0] == 0
+    shard = out / "val-00000.bin"
+    shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
+    code, err = train_main(["--run-dir", str(tmp_path / "run"), f"data.path={out}"]), capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: {shard} does not match meta.json: its sha256 is ")
+    assert err.endswith("(changed or damaged after it was prepared); prepare the data again with "
+                        "`python -m jaxgpt.prepare INPUT... --out DIR`.\n")
+    code, stdout, err = cli(capsys, corpus, "--out", out, "--shard-tokens", 5000)  # not 'nothing to do'
+    assert code == 2 and "nothing to do" not in stdout and err.startswith(f"error: {shard} does not match")
+    assert err.endswith(f"(changed or damaged after it was prepared); remove {out} and run this command "
+                        "again.\n")
+
+
+def test_one_plain_text_file_prepares_with_the_defaults(tmp_path, capsys, shakespeare_dir):
+    """nanoGPT's corpus shape: val is the file's last 10% of characters, as the bundled split."""
+    code, stdout, err = cli(capsys, SHAKESPEARE, "--out", tmp_path / "out")
+    assert (code, err) == (0, "") and "from 2 documents" in stdout
+    assert tokens_of(tmp_path / "out") == list(np.fromfile(shakespeare_dir / "train.bin", "<u2"))
+    assert tokens_of(tmp_path / "out", "val") == list(np.fromfile(shakespeare_dir / "val.bin", "<u2"))
+    assert data.load_meta(tmp_path / "out")["val_split"] == "tail"
+
+
+def test_an_unwritable_out_is_one_line(tmp_path, capsys):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text\n" * 50)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    out = locked / "out"
+    if os.access(locked, os.W_OK):  # root ignores modes: /sys is read-only in containers too
+        out = Path("/sys/jaxgpt-test-out")
+        if os.access("/sys", os.W_OK) and not Path("/sys").is_mount():
+            pytest.skip("no read-only directory to write into")
+    code, stdout, err = cli(capsys, corpus, "--out", out)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: Cannot write to --out {out}: ")
+
+
+# ---------------------------------------------------------------- kills and Ctrl-C at any moment
+
+
+def run_prepare(*args, **popen):
+    return subprocess.Popen([sys.executable, "-m", "jaxgpt.prepare", *map(str, args)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A 3.3 MB corpus in small batches, and its uninterrupted preparation."""
+    root = tmp_path_factory.mktemp("big")
+    corpus = root / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS * 3))
+    args = [corpus, "--shard-tokens", 30_000, "--batch-mb", 0.05, "--progress", "lines"]
+    proc = run_prepare(*args, "--workers", 1, "--out", root / "ref")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    return args, files_of(root / "ref")
+
+
+def test_ctrl_c_is_one_line_and_exit_130_then_the_same_command_finishes(tmp_path, big):
+    args, ref = big
+    out = tmp_path / "out"
+    proc = run_prepare(*args, "--workers", 2, "--out", out, start_new_session=True)
+    deadline = time.time() + 120
+    while not (out / writer.STATE).exists() and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    assert proc.wait(timeout=60) == 130
+    assert proc.stderr.read() == f"interrupted: {out} keeps what was prepared; run the same command again to resume\n"
+    proc = run_prepare(*args, "--workers", 1, "--out", out)  # another worker count
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert "resuming at input file 1" in proc.stdout.read()
+    assert files_of(out) == ref
+
+
+def test_kill_9_at_half_a_second_then_the_same_command_finishes(tmp_path, big):
+    args, ref = big
+    out = tmp_path / "out"
+    proc = run_prepare(*args, "--workers", 2, "--out", out)
+    time.sleep(0.5)  # interpreter start-up: hashing, or the first batch, or before anything
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc = run_prepare(*args, "--workers", 1, "--out", out)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    assert files_of(out) == ref
+
+
+@pytest.mark.parametrize("moment", ["before the first record", "before meta.json", "after meta.json"])
+def test_a_kill_at_the_start_or_the_end_resumes_to_the_same_bytes(tmp_path, monkeypatch, moment):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS[:600]))
+    kw = dict(progress="lines", shard_tokens=4_000, batch_chars=20_000)
+    prepare_corpus([corpus], tmp_path / "ref", workers=1, **kw)
+    real_write, real_unlink = writer.write_json_atomically, Path.unlink
+
+    def dies(path, obj):
+        if moment == "before the first record" or (moment == "before meta.json" and path.name == writer.META):
+            raise KeyboardInterrupt  # the process dies here
+        real_write(path, obj)
+
+    def dies_unlinking(self, *a, **k):
+        if moment == "after meta.json" and self.name == writer.STATE:
+            raise KeyboardInterrupt
+        return real_unlink(self, *a, **k)
+
+    monkeypatch.setattr("jaxgpt.data.corpus.write_json_atomically", dies)
+    monkeypatch.setattr(Path, "unlink", dies_unlinking)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_corpus([corpus], tmp_path / "out", workers=1, **kw)
+    monkeypatch.undo()
+    prepare_corpus([corpus], tmp_path / "out", workers=2, **kw)
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")

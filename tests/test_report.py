@@ -91,6 +91,9 @@ def test_events_and_report(first_run):
     assert f"{last_loss:.4f} (step 4)" in _row(report, "final train loss")
     assert _row(report, "restarts") == "| restarts | 0 |" and _row(report, "preemptions") == "| preemptions | 0 |"
     assert "over 1 session" in _row(report, "wall time")
+    assert _row(report, "data").startswith("| data | the bundled shakespeare (`")
+    assert _row(report, "data").endswith("`): gpt2 tokens, 301,966 train + 36,059 val |")
+    assert start["data_sources"][0]["train_tokens"] == 301_966
     assert "| tokens/s |" in report and "MFU | n/a" in report and "Slow intervals" in report
 
     png = (first_run / "loss.png").read_bytes()
