@@ -44,6 +44,7 @@ from jaxgpt.attention import select_kernel
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
+from jaxgpt.data import integrity
 from jaxgpt.errors import UserError
 from jaxgpt.files import read_jsonl
 from jaxgpt.mesh import make_mesh, named
@@ -159,6 +160,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
             if pid == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                integrity.remember(verified)  # the shard verdicts, for the next session
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
                 active = f" ({param_count(m, active=True) / 1e6:.1f}M active)" if m.moe_experts else ""

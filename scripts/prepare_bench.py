@@ -6,6 +6,7 @@
     python scripts/prepare_bench.py threads INPUT.jsonl       # tiktoken's encode_ordinary_batch, 1 vs 2 threads
     python scripts/prepare_bench.py old TEXT_FILE --out DIR   # the in-memory single-file prepare
     python scripts/prepare_bench.py loader DIR [DIR ...]      # train_iterator tokens/s per prepared dir
+    python scripts/prepare_bench.py verify DIR [--make-gb 1]  # the shard check before training (sha256, ids)
 
 `corpus` builds real text without downloading anything: the bundled tiny shakespeare, the
 licenses in /usr/share/common-licenses, the text files (and gzipped ones) under /usr/share/doc and
@@ -14,7 +15,8 @@ drawn at random (seeded), written until the size is reached, as JSON Lines (`cor
 Parquet (`corpus.parquet`) and a JSON Lines slice of the first `--slice-mb` MB (`slice.jsonl`, plus
 its text as one file, `slice.txt`, for the old prepare). `prepare`/`old` run the command in a
 subprocess and sample the resident memory of its whole process tree (main + workers) every 0.2 s.
-Every command prints one JSON line.
+`verify --make-gb G` first writes a synthetic prepared dir of G GB (random ids below the vocabulary,
+50M-token shards, meta.json with their sha256) into DIR. Every command prints one JSON line.
 """
 
 import argparse
@@ -245,6 +247,49 @@ def bench_loader(args) -> dict:
     return {"command": "loader train_iterator (seq 1024, batch 32, 2 threads)", "dirs": rows}
 
 
+def bench_verify(args) -> dict:
+    """integrity.check_dir on DIR: 1 thread, the default threads, then again with a verdict cache."""
+    import hashlib
+    import tempfile
+
+    import numpy as np
+
+    from jaxgpt import data, tokenizer
+    from jaxgpt.data.integrity import check_dir
+    d = Path(args.dir)
+    if args.make_gb:
+        d.mkdir(parents=True, exist_ok=True)
+        rng, shards, left = np.random.default_rng(0), {"train": [], "val": []}, int(args.make_gb * 5e8)
+        for i, split in enumerate(["val"] + ["train"] * (left // 50_000_000 + 1)):
+            n = 1000 if split == "val" else min(50_000_000, left)
+            if n <= 0:
+                break
+            left -= n if split == "train" else 0
+            ids = rng.integers(0, tokenizer.N_VOCAB, n, dtype=np.uint16)
+            name = f"{split}-{len(shards[split]):05d}.bin"
+            ids.tofile(d / name)
+            shards[split].append({"file": name, "tokens": n, "sha256": hashlib.sha256(ids.tobytes()).hexdigest()})
+        (d / "meta.json").write_text(json.dumps({
+            "tokenizer": tokenizer.TOKENIZER_NAME, "tokenizer_sha256": tokenizer.vocab_sha256(),
+            "vocab_size": tokenizer.N_VOCAB, "dtype": "uint16", "shards": shards,
+            **{f"{s}_tokens": sum(x["tokens"] for x in shards[s]) for s in shards}}))
+    meta = data.load_meta(d)
+    rows = {}
+    for name, threads in (("1 thread", 1), ("default threads", None)):
+        t0 = time.perf_counter()
+        n = check_dir(d, meta, threads=threads)
+        took = time.perf_counter() - t0
+        rows[name] = {"gb": round(n / 1e9, 3), "s": round(took, 2), "gb_per_s": round(n / 1e9 / took, 2)}
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "data-verified.json"
+        check_dir(d, meta, cache=cache)
+        t0 = time.perf_counter()
+        n = check_dir(d, meta, cache=cache)
+        rows["cached verdicts"] = {"bytes_read": n, "s": round(time.perf_counter() - t0, 4)}
+    return {"command": "verify (integrity.check_dir: size, sha256, token ids)", "dir": str(d),
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0], **rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -268,6 +313,9 @@ def main() -> None:
     lo = sub.add_parser("loader")
     lo.add_argument("dirs", nargs="+")
     lo.add_argument("--batches", type=int, default=300)
+    v = sub.add_parser("verify")
+    v.add_argument("dir")
+    v.add_argument("--make-gb", type=float, default=0.0)
     args, extra = p.parse_known_args()
     if args.cmd == "corpus":
         row = {"command": "corpus", **build_corpus(args.out, args.gb, args.formats.split(","), args.slice_mb)}
@@ -279,6 +327,8 @@ def main() -> None:
         row = bench_threads(args)
     elif args.cmd == "old":
         row = bench_old(args)
+    elif args.cmd == "verify":
+        row = bench_verify(args)
     else:
         row = bench_loader(args)
     print(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), **row}), flush=True)

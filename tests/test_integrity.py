@@ -21,7 +21,7 @@ import pytest
 import zstandard
 
 from jaxgpt import data, tokenizer
-from jaxgpt.data import readers, writer
+from jaxgpt.data import integrity, readers, writer
 from jaxgpt.data.corpus import prepare_corpus
 from jaxgpt.errors import UserError
 from jaxgpt.prepare import main as prepare_main
@@ -168,6 +168,8 @@ def test_a_tampered_shard_is_refused_before_training(tmp_path):
     prepare_corpus([corpus], out, **KW)
     cache = tmp_path / "run" / "data-verified.json"
     data.open_splits(str(out), cache=cache)
+    cache.parent.mkdir()
+    integrity.remember(cache)
     assert data.check_dir(out, data.load_meta(out), cache=cache) == 0  # every verdict remembered
     shard = out / "train-00001.bin"
     with open(shard, "r+b") as f:  # same size, other bytes, one id outside the vocabulary
