@@ -13,7 +13,11 @@ once per run by `select_kernel` from `model.attention`:
 
 Asking for `cudnn` where it cannot run is a `UserError` raised before compilation.
 
-Letters: B batch, T time (sequence), H heads, K head dim.
+Grouped-query attention needs nothing here: k and v arrive with G <= H heads, query head h reading
+kv head h // (H/G), and both kernels take them as they are (XLA's reshapes q to [B, T, G, H/G, K];
+cuDNN takes fewer kv heads natively), so the repeated K/V are never materialised.
+
+Letters: B batch, T time (sequence), H heads, G key/value heads, K head dim.
 """
 
 from __future__ import annotations
@@ -69,10 +73,28 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     return attend(q_BTHK, k_BTHK, v_BTHK)
 
 
-def reference_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array) -> jax.Array:
-    """The textbook formula in fp32, for tests."""
-    q, k, v = (x.astype(jnp.float32) for x in (q_BTHK, k_BTHK, v_BTHK))
+def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array) -> jax.Array:
+    """The textbook formula in fp32, for tests; G < H kv heads are repeated to H."""
+    repeat = q_BTHK.shape[2] // k_BTGK.shape[2]
+    q, k, v = (jnp.repeat(x, h, axis=2).astype(jnp.float32)
+               for x, h in ((q_BTHK, 1), (k_BTGK, repeat), (v_BTGK, repeat)))
     T, K = q.shape[1], q.shape[-1]
     scores_BHTT = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(K)
     scores_BHTT = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTT, -jnp.inf)
     return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTT, axis=-1), v).astype(q_BTHK.dtype)
+
+
+def rope(x_BTHK: jax.Array, pos: jax.Array | int, theta: float) -> jax.Array:
+    """Rotary position embedding of queries or keys at positions pos, pos+1, ... (model.position=rope).
+
+    Feature pairs (i, i + K/2) of each head rotate by angle t * theta^(-2i/K): Hugging Face Llama's
+    `rotate_half` layout, so its q/k weights load without a permutation. Angles and the rotation
+    are fp32 (t up to seq_len times the fastest frequency needs the mantissa); the result is cast
+    back. Keys are cached rotated, so a decoded token only rotates its own q and k."""
+    T, K = x_BTHK.shape[1], x_BTHK.shape[-1]
+    inv_freq_F = theta ** (-jnp.arange(0, K, 2, dtype=jnp.float32) / K)
+    angle_TF = (pos + jnp.arange(T, dtype=jnp.float32))[:, None] * inv_freq_F[None, :]
+    cos_1T1F, sin_1T1F = (f(angle_TF)[None, :, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x_BTHK.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos_1T1F - x2 * sin_1T1F, x2 * cos_1T1F + x1 * sin_1T1F], axis=-1)
+    return rotated.astype(x_BTHK.dtype)

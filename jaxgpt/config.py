@@ -80,6 +80,24 @@ class ModelConfig:
     n_embd: int = _f(128, "model width D (n_head must divide it)", range=POSITIVE)
     seq_len: int = _f(128, "context length T in tokens (also the number of position embeddings)", range=POSITIVE)
     vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model", range=POSITIVE)
+    # The decoder's architecture; every default is GPT-2's, so existing configs and checkpoints keep their meaning.
+    norm: str = _f("layernorm", "normalisation of the blocks and the final features: layernorm (GPT-2) or rmsnorm "
+                   "(Llama)", ("layernorm", "rmsnorm"))
+    norm_scale: bool = _f(True, "a learned scale in every norm; false: parameter-free norms (nanochat)")
+    position: str = _f("learned", "positions: learned embeddings wpe (GPT-2) or rotary embeddings on q and k (rope)",
+                       ("learned", "rope"))
+    rope_theta: float = _f(10000.0, "RoPE base: the slowest rotary frequency is 1/rope_theta (Llama 3: 500000)",
+                           range=POSITIVE)
+    mlp: str = _f("gelu", "MLP: gelu (GPT-2), swiglu (silu(x W_gate) * x W_in, Llama) or relu2 (relu(x W_in)^2)",
+                  ("gelu", "swiglu", "relu2"))
+    mlp_hidden: int = _f(0, "MLP hidden width F (also each expert's); 0 = 4 x n_embd", range=NONNEGATIVE)
+    n_kv_head: int = _f(0, "key/value heads: 0 = n_head (multi-head), fewer = grouped-query attention (must "
+                        "divide n_head), 1 = multi-query", range=NONNEGATIVE)
+    qk_norm: bool = _f(False, "RMS-normalise each head's queries and keys before RoPE and attention")
+    tie_embeddings: bool = _f(True, "the output head reuses the token embedding wte; false: a separate lm_head")
+    bias: bool = _f(True, "biases in the linear layers and LayerNorms (GPT-2); false: none (Llama)")
+    logit_softcap: float = _f(0.0, "cap the logits smoothly at +-c as c * tanh(logits / c) (Gemma 2); 0 = off",
+                              range=NONNEGATIVE)
     dtype: str = _f("auto", "compute dtype (parameters stay fp32): auto = bfloat16 on GPU/TPU, float32 on CPU",
                     ("auto", "float32", "bfloat16"))
     attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
@@ -114,6 +132,24 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def beyond_gpt2(self) -> list[str]:
+        """The architecture keys set away from GPT-2's choice, as 'key=value' (empty for a GPT-2)."""
+        gpt2 = {"norm": "layernorm", "norm_scale": True, "position": "learned", "mlp": "gelu",
+                "mlp_hidden": (0, 4 * self.n_embd), "n_kv_head": (0, self.n_head), "qk_norm": False,
+                "tie_embeddings": True, "bias": True, "logit_softcap": 0.0}
+        return [f"model.{k}={getattr(self, k)}" for k, v in gpt2.items()
+                if getattr(self, k) not in (v if isinstance(v, tuple) else (v,))]
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads G (n_kv_head, or n_head when it is 0)."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP hidden width F (mlp_hidden, or 4 x n_embd when it is 0)."""
+        return self.mlp_hidden or 4 * self.n_embd
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -134,6 +170,11 @@ class OptimizerConfig:
     beta2: float = _f(0.95, "AdamW beta2", range=BETA)
     eps: float = _f(1e-8, "AdamW epsilon", range=POSITIVE)
     grad_clip: float = _f(1.0, "clip gradients to this global norm (0 disables)", range=NONNEGATIVE)
+    name: str = _f("adamw", "adamw, or muon: Muon for the blocks' weight matrices and AdamW (lr, betas, "
+                   "weight_decay above) for embeddings, head, norms, biases and routers", ("adamw", "muon"))
+    muon_lr: float = _f(0.02, "Muon's peak learning rate (same warmup and cosine decay as lr)", range=POSITIVE)
+    muon_momentum: float = _f(0.95, "Muon's Nesterov momentum", range=BETA)
+    muon_weight_decay: float = _f(0.0, "Muon's decoupled weight decay (times muon_lr)", range=NONNEGATIVE)
 
 
 @dataclass(frozen=True)
@@ -405,13 +446,27 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if cfg.checkpoint.init_from_hf:
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")
+    if cfg.checkpoint.init_from_hf and m.beyond_gpt2():
+        raise UserError(f"checkpoint.init_from_hf loads GPT-2 weights, which have no counterpart for "
+                        f"{', '.join(m.beyond_gpt2())}; drop those keys or init_from_hf")
+    if m.n_head % m.kv_heads:
+        raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
+                        f"serves n_head / n_kv_head query heads)")
+    if m.position == "rope" and m.head_dim % 2:
+        raise UserError(f"model.position=rope rotates pairs of features, but the head dim n_embd / n_head = "
+                        f"{m.head_dim} is odd")
+    if not m.tie_embeddings:  # jaxgpt/step.py hands params['wte'] to the loss as the head (see model.head_table)
+        raise UserError("model.tie_embeddings=false is not wired into the train step yet; keep the tied head")
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     pipeline_microbatches(cfg, sizes)  # raises if the pipeline layout cannot work
     if m.n_head % sizes["tp"]:
         raise UserError(f"model.n_head={m.n_head} is not divisible by the tp axis ({sizes['tp']})")
-    if m.padded_vocab % sizes["tp"] or (4 * m.n_embd) % sizes["tp"]:
+    if m.kv_heads % sizes["tp"]:
+        raise UserError(f"model.n_kv_head={m.kv_heads} is not divisible by the tp axis ({sizes['tp']}): tp splits "
+                        f"the key/value heads like the query heads (it does not replicate them)")
+    if m.padded_vocab % sizes["tp"] or m.mlp_width % sizes["tp"]:
         raise UserError(f"tp={sizes['tp']} must divide the padded vocabulary ({m.padded_vocab}) "
-                        f"and the MLP width ({4 * m.n_embd})")
+                        f"and the MLP width ({m.mlp_width})")
     if m.n_embd % sizes["fsdp"]:
         raise UserError(f"fsdp={sizes['fsdp']} must divide model.n_embd={m.n_embd}")
     if data_vocab_size is not None and data_vocab_size > m.vocab_size:

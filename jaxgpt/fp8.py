@@ -122,7 +122,8 @@ _fp8_einsum.defvjp(_forward, _backward)
 
 def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool) -> jax.Array:
     """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
-    ('qkv', 'attn_out', 'mlp_in', 'mlp_out', 'expert_in', 'expert_out'). XLA keeps the scope in
+    ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
+    gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
     the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
     tells which layer each GEMM belongs to."""
     with jax.named_scope(name):

@@ -261,10 +261,14 @@ EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *hf_tokenizer.FILES)
 
 
 def refuse_moe(cfg: Config) -> None:
-    """GPT-2 has no Mixture-of-Experts layers: an MoE model has no Hugging Face GPT-2 form."""
+    """GPT-2 has no Mixture-of-Experts layers: an MoE model has no Hugging Face GPT-2 form; nor has
+    a model with a non-GPT-2 architecture key (RMSNorm, RoPE, SwiGLU, grouped-query attention, ...)."""
     if cfg.model.moe_experts:
         raise UserError(f"this is a Mixture-of-Experts model (model.moe_experts={cfg.model.moe_experts}); "
                         f"Hugging Face GPT-2 has no experts, so only dense models (moe_experts=0) convert")
+    if cfg.model.beyond_gpt2():
+        raise UserError(f"only GPT-2-shaped models convert to and from Hugging Face GPT-2; this one sets "
+                        f"{', '.join(cfg.model.beyond_gpt2())}")
 
 
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:

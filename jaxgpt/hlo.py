@@ -207,7 +207,7 @@ _GEMM_FUSION = re.compile(r'\bkind=kCustom\b.*"fusion_backend_config":\{"kind":"
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ([a-z][a-z0-9]*\[[^\]]*\])", re.M)
 # The named scopes jaxgpt puts around its GEMMs (jaxgpt/fp8.py `linear`, jaxgpt/loss.py)
-BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_out", "expert_in", "expert_out")
+BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out", "expert_in", "expert_gate", "expert_out")
 LAYERS = (*BLOCK_LINEARS, "head")
 
 

@@ -15,6 +15,10 @@ backward pass only scales them by the incoming cotangent. Only one chunk's [B, t
 time, and the FLOPs are autodiff's (no logits are recomputed, as a `jax.checkpoint`ed chunk would).
 Without differentiation (evaluation) only the loss is computed.
 
+The head's table is whatever the caller passes: `wte` for the tied head (GPT-2's), `lm_head` with
+model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the logits are
+c * tanh(z / c) and dlogits picks up the factor 1 - (logits / c)^2, in the same pass.
+
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device, and t = T is a single chunk. Under FSDP the embedding
 table is gathered once, before the loop, not once per chunk (the same `shard` the input lookup
@@ -41,7 +45,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import MESH_AXES, RULES, shard
-from jaxgpt.model import head_logits
+from jaxgpt.model import head_logits, softcap
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
 # (sequences x positions) per device. Measured on the default run on a 2-core CPU: 512 rows train
@@ -89,15 +93,15 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
     t = chunk_positions(cfg, _rows_per_device(B))
     x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
     labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
-    return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype, cfg.fp8_head) / (B * T)
+    return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap) / (B * T)
 
 
 class _Head:
     """The head's table as its GEMMs take it: in the compute dtype, or (model.fp8_head) in e4m3
     with its per-tensor scale, quantized once per step before the chunk loop."""
 
-    def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool):
-        self.vocab_size, self.dtype, self.fp8 = vocab_size, dtype, fp8
+    def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool, cap: float):
+        self.vocab_size, self.dtype, self.fp8, self.cap = vocab_size, dtype, fp8, cap
         self.wte_VD = _gathered(wte_VD, dtype)
         if fp8:
             self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
@@ -105,10 +109,10 @@ class _Head:
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
         """fp32 logits [B, t, V] of one chunk, and what its gradient GEMMs reuse (x in e4m3)."""
         if not self.fp8:
-            return head_logits(x_BtD, self.wte_VD, self.vocab_size, self.dtype), (x_BtD.astype(self.dtype), None)
+            return head_logits(x_BtD, self.wte_VD, self.vocab_size, self.dtype, self.cap), (x_BtD.astype(self.dtype), None)
         x_q_BtD, s_x = quantize(x_BtD, E4M3)
         logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, jnp.float32)
-        logits_BtV = shard(logits_BtV, "batch", "seq", "act_vocab")
+        logits_BtV = shard(softcap(logits_BtV, self.cap), "batch", "seq", "act_vocab")
         is_real_V = jnp.arange(self.wte_VD.shape[0]) < self.vocab_size
         return jnp.where(is_real_V, logits_BtV, -jnp.inf), (x_q_BtD, s_x)
 
@@ -127,10 +131,10 @@ class _Head:
         return dx_BtD, scaled_dot("sbtv,sbtd->svd", dlogits_q_SbtV, s_d, x_SbtD, s_x, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8, cap):
     """Summed loss over the chunks (the primal: evaluation, no gradients)."""
-    head = _Head(wte_VD, vocab_size, dtype, fp8)
+    head = _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
     def body(_, chunk):
@@ -140,20 +144,23 @@ def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8):
     return jnp.sum(jax.lax.scan(body, None, (x_CBtD, labels_CBt))[1])
 
 
-def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8):
+def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8, cap):
     """The loss and, chunk by chunk, its gradients: dlogits = softmax - one_hot, then
     dx = dlogits @ wte and dwte += dlogits^T x. Same FLOPs as autodiff, no recompute; the
     gradients are the residuals, so the backward pass only scales them."""
     B, t = x_CBtD.shape[1:3]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
-    param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8)
+    param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")
     def body(dwte_SVD, chunk):
         x_BtD, labels_Bt = chunk
         logits_BtV, x_saved = head.logits(x_BtD)
         loss_B, lse_Bt, is_label_BtV = _cross_entropy(logits_BtV, labels_Bt)
-        dlogits_BtV = (jnp.exp(logits_BtV - lse_Bt[..., None]) - is_label_BtV).astype(dtype)
+        dlogits_BtV = jnp.exp(logits_BtV - lse_Bt[..., None]) - is_label_BtV
+        if cap:  # through the soft-cap: d(c tanh(z/c))/dz = 1 - (capped/c)^2; the -inf padding gets 0
+            dlogits_BtV = jnp.where(jnp.isfinite(logits_BtV), dlogits_BtV * (1 - jnp.square(logits_BtV / cap)), 0.0)
+        dlogits_BtV = dlogits_BtV.astype(dtype)
         dlogits_BtV = shard(dlogits_BtV, "batch", "seq", "act_vocab")
         dx_BtD, dwte_chunk_SVD = head.grads(dlogits_BtV, x_saved, S)
         dwte_SVD = dwte_SVD + dwte_chunk_SVD
@@ -176,7 +183,7 @@ def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return shard(wte_VD.astype(dtype), "vocab", None)
 
 
-def _head_loss_bwd(vocab_size, dtype, fp8, residuals, g):
+def _head_loss_bwd(vocab_size, dtype, fp8, cap, residuals, g):
     dx_CBtD, dwte_VD, labels_CBt = residuals
     int_zero = np.zeros(labels_CBt.shape, jax.dtypes.float0)  # integer labels have no gradient
     return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, int_zero

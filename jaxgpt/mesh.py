@@ -14,6 +14,9 @@ Mesh axes
           With a dense model ep is just one more batch axis.
     tp    Megatron tensor parallelism: attention heads, the MLP hidden units and the vocabulary are
           split, so QKV / MLP-in are column-parallel and attention-out / MLP-out row-parallel.
+          Under grouped-query attention the key/value heads are split too, never replicated: shard
+          i's query heads read exactly shard i's kv heads, so attention stays local, and a layout
+          whose tp does not divide model.n_kv_head is refused before compiling.
 
 The device order is (pp, dp, fsdp, ep, tp): tp varies fastest, then ep, so the two axes that talk
 inside every layer (tp's all-reduces, ep's all-to-alls) take neighbouring devices, and pp, which
@@ -54,6 +57,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tp",          # rows of the tied embedding / output head
     "embed": "fsdp",        # the model width D of every weight: ZeRO-3
     "heads": "tp",          # attention heads in QKV and attention-out
+    "kv_heads": "tp",       # key/value heads of grouped-query attention: tp must divide them (config.validate)
     "mlp": "tp",            # MLP hidden units F
     "pos": None,            # rows of the position embedding
     "qkv": None,            # the 3 of q, k, v

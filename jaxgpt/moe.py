@@ -1,7 +1,8 @@
 """Mixture of Experts: top-k routing, capacity-based dispatch, and expert parallelism over `ep`.
 
 Letters: G groups (one per sequence), S tokens per group (S = T), E experts, C slots per expert
-and group, K the top-k choices, D model width, F expert MLP width (4D, as the dense MLP).
+and group, K the top-k choices, D model width, F expert MLP width (model.mlp_width, as the dense
+MLP; each expert is the dense MLP's kind, so with model.mlp=swiglu a gated MLP of three matmuls).
 
 Routing. The router is a [D, E] matmul in fp32; softmax over E, the top K experts per token, their
 probabilities renormalised to sum to 1 (the combine weights). Each expert then takes at most
@@ -106,12 +107,35 @@ def route(logits_GSE: jax.Array, top_k: int, slots: int) -> tuple[jax.Array, jax
     return dispatch_GSEC, combine_GSEC, MoEStats(aux, z, jax.lax.stop_gradient(dropped))
 
 
-def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, fc_EDF: jax.Array, fc_bias_EF: jax.Array,
-            proj_EFD: jax.Array, proj_bias_ED: jax.Array, *, top_k: int, capacity_factor: float,
-            drop: bool = True, fp8: bool = False) -> tuple[jax.Array, MoEStats]:
+def activate(kind: str, h: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+    """The MLP's nonlinearity (model.mlp) on x W_in (and x W_gate for swiglu), dense or expert."""
+    if kind == "swiglu":
+        return jax.nn.silu(gate) * h
+    if kind == "relu2":
+        return jnp.square(jax.nn.relu(h))
+    return jax.nn.gelu(h, approximate=True)
+
+
+class Experts(NamedTuple):
+    """The E expert MLPs' weights; a bias or the gate (model.mlp=swiglu only) may be None."""
+    fc_EDF: jax.Array
+    fc_bias_EF: jax.Array | None
+    gate_EDF: jax.Array | None
+    gate_bias_EF: jax.Array | None
+    proj_EFD: jax.Array
+    proj_bias_ED: jax.Array | None
+
+
+def _plus(y: jax.Array, bias_EX: jax.Array | None) -> jax.Array:
+    return y if bias_EX is None else y + bias_EX.astype(y.dtype)[:, None, None, :]
+
+
+def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "gelu", top_k: int,
+            capacity_factor: float, drop: bool = True, fp8: bool = False) -> tuple[jax.Array, MoEStats]:
     """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
     (sampling) gives every expert room for the whole group, so no assignment is dropped and a
-    prompt decodes the same token by token as at once."""
+    prompt decodes the same token by token as at once. Each expert is an MLP of kind `mlp`
+    (swiglu: three matmuls, the gate's named expert_gate)."""
     dt = x_BTD.dtype
     E = router_DE.shape[-1]
     logits_GSE = jnp.einsum("gsd,de->gse", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32))
@@ -122,9 +146,11 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, fc_EDF: jax.Array, fc_bias_E
     combine_GSEC = shard(combine_GSEC.astype(dt), "batch", "seq", "router", None)
     # batch-split groups -> expert-split experts: the all-to-all over ep
     x_EGCD = shard(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_BTD), "experts", "expert_batch", None, "act_embed")
-    h_EGCF = linear("expert_in", "egcd,edf->egcf", x_EGCD, fc_EDF.astype(dt), fp8) + fc_bias_EF.astype(dt)[:, None, None, :]
-    h_EGCF = shard(jax.nn.gelu(h_EGCF, approximate=True), "experts", "expert_batch", None, "act_mlp")
-    y_EGCD = linear("expert_out", "egcf,efd->egcd", h_EGCF, proj_EFD.astype(dt), fp8) + proj_bias_ED.astype(dt)[:, None, None, :]
+    h_EGCF = _plus(linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF.astype(dt), fp8), w.fc_bias_EF)
+    gate_EGCF = None if w.gate_EDF is None else _plus(
+        linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF.astype(dt), fp8), w.gate_bias_EF)
+    h_EGCF = shard(activate(mlp, h_EGCF, gate_EGCF), "experts", "expert_batch", None, "act_mlp")
+    y_EGCD = _plus(linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD.astype(dt), fp8), w.proj_bias_ED)
     y_EGCD = shard(y_EGCD, "experts", "expert_batch", None, "act_embed")
     # and back: the second all-to-all
     y_BTD = shard(jnp.einsum("gsec,egcd->gsd", combine_GSEC, y_EGCD), "batch", "seq", "act_embed")

@@ -165,7 +165,8 @@ def _shard(params: dict, cfg: Config, spec: str) -> dict:
     if shape["pp"] > 1:
         raise UserError(f"--mesh {spec}: sampling does not pipeline (pp={shape['pp']}); split a model too big for "
                         f"one device with tp or fsdp instead")
-    checks = [("tp", cfg.model.n_head, "model.n_head"), ("fsdp", cfg.model.n_embd, "model.n_embd")]
+    checks = [("tp", cfg.model.n_head, "model.n_head"), ("tp", cfg.model.kv_heads, "model.n_kv_head"),
+              ("fsdp", cfg.model.n_embd, "model.n_embd")]
     if cfg.model.moe_experts:  # a dense model is replicated over ep
         checks.append(("ep", cfg.model.moe_experts, "model.moe_experts"))
     for axis, dim, name in checks:
