@@ -234,3 +234,44 @@ def test_without_the_plugin_the_command_says_what_to_install():
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
         f"error: compiling for a GPU without one needs the CUDA plugin: {INSTALL}"]
+
+
+# The modern block (issue 21): RMSNorm, RoPE, SwiGLU, grouped-query attention (4 query heads over 2
+# kv heads, so 2 and 1 per device under tp=2), QK-norm, no biases, fp8, Muon, under dp x fsdp x tp.
+MODERN = ["model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.mlp_hidden=64",
+          "model.n_kv_head=2", "model.qk_norm=true", "model.bias=false", "optimizer.name=muon", FP8]
+
+
+@pytest.fixture(scope="module")
+def modern(h100s) -> str:
+    c = compile_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100")
+    assert c.kernel == "cudnn" and c.dtype == jax.numpy.bfloat16, c.why
+    return c.compiled.as_text()
+
+
+def _fmha_operand_heads(text: str) -> list[list[int]]:
+    """For every cuDNN fused-attention call: the head count of each of its first three operands
+    (q, k, v, [B, T, heads, K] per device; the head count is the dimension after B and T)."""
+    shapes = {m.group(1): [int(d) for d in m.group(2).split(",")]
+              for m in re.finditer(r"%([\w.\-]+) = \w+\[([\d,]+)\]", text)}
+    out = []
+    for line in text.splitlines():
+        if "__cudnn$fmha" in line and "custom-call(" in line:
+            operands = re.search(r"custom-call\(([^)]*)\)", line).group(1)
+            names = re.findall(r"%([\w.\-]+)", operands)[:3]
+            out.append([shapes[n][2] for n in names if n in shapes])
+    return out
+
+
+@needs_plugin
+def test_modern_block_runs_grouped_query_cudnn_attention_and_fp8_swiglu(modern):
+    """cuDNN attention forward and backward with K and V at their own head count (1 per device)
+    next to q's 2: the kv heads are never repeated to the query heads' count in memory. The gated
+    MLP's three matmuls (mlp_in, mlp_gate, mlp_out) are fp8 forward and backward like the rest."""
+    counts = fused_attention_counts(modern)
+    assert counts["forward"] >= 1 and counts["backward"] >= 1, counts
+    heads = _fmha_operand_heads(modern)
+    assert heads and all(h[:3] == [2, 1, 1] for h in heads), heads
+    count = _block_gemms(modern)
+    for layer in ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out"):
+        assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (layer, count)
