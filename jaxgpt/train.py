@@ -126,9 +126,9 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
         raise UserError(layout_error)
     dtype = compute_dtype(cfg.model.dtype)
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
-    # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json)
-    # spare a resumed run from reading unchanged files again (jaxgpt/data/integrity.py).
-    verified = run_dir / "data-verified.json" if jax.process_index() == 0 else None
+    # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,
+    # written by process 0, read by all) spare a resumed run from reading unchanged files again.
+    verified = run_dir / "data-verified.json"
     train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, cache=verified)
     validate(cfg, len(devices), data_vocab)
     cfg, remat_why, _ = remat.resolve(cfg, device_memory(devices[0]), lambda c: plan(c, devices))  # model.remat=auto
