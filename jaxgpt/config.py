@@ -455,8 +455,6 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     if m.position == "rope" and m.head_dim % 2:
         raise UserError(f"model.position=rope rotates pairs of features, but the head dim n_embd / n_head = "
                         f"{m.head_dim} is odd")
-    if not m.tie_embeddings:  # jaxgpt/step.py hands params['wte'] to the loss as the head (see model.head_table)
-        raise UserError("model.tie_embeddings=false is not wired into the train step yet; keep the tied head")
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     pipeline_microbatches(cfg, sizes)  # raises if the pipeline layout cannot work
     if m.n_head % sizes["tp"]:

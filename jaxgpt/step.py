@@ -53,7 +53,7 @@ from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.loss import chunked_cross_entropy
 from jaxgpt.mesh import named, shard
-from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype
+from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
 from jaxgpt.optim import lr_schedule, make_optimizer
 
 
@@ -142,10 +142,10 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     model = nnx.merge(graphdef, params)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
-        loss = chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
+        loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
         return loss, {"loss": loss}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
-    loss = chunked_cross_entropy(x_BTD, params["wte"], batch_BT1[:, 1:], cfg, dtype)
+    loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
     objective = loss + cfg.moe_aux_coef * stats.aux + cfg.moe_z_coef * stats.z
     return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats, strict=True))}
 
@@ -176,7 +176,7 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
     labels_BT = labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
-    loss = chunked_cross_entropy(x_BTD, params["wte"], labels_BT, cfg.model, dtype) / S
+    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, cfg.model, dtype) / S
     return loss, {"loss": loss}
 
 

@@ -23,10 +23,11 @@ from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model
 from jaxgpt.train import train
 
-# Every new choice at once, Muon included; n_head=4 over n_kv_head=2 so tp=2 splits whole groups.
+# Every new choice at once, Muon and the untied head included; n_head=4 over n_kv_head=2 so tp=2
+# splits whole groups.
 MODERN = ["model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.mlp_hidden=64",
           "model.n_kv_head=2", "model.qk_norm=true", "model.bias=false", "model.logit_softcap=15",
-          "optimizer.name=muon"]
+          "model.tie_embeddings=false", "optimizer.name=muon"]
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_capacity_factor=4.0",  # no drops: exact parity
        "model.moe_every=2"]
 
@@ -158,7 +159,6 @@ def test_defaults_are_gpt2_and_counts_match_the_tree():
     (["model.n_kv_head=3"], "dp=1", "model.n_kv_head=3 must divide model.n_head=4"),
     (["model.n_kv_head=2"], "dp=2,tp=4", "model.n_kv_head=2 is not divisible by the tp axis (4)"),
     (["model.n_head=8", "model.n_embd=24", "model.position=rope"], "dp=1", "head dim n_embd / n_head = 3 is odd"),
-    (["model.tie_embeddings=false"], "dp=1", "model.tie_embeddings=false is not wired into the train step"),
     (["model.mlp=swiglu", "checkpoint.init_from_hf=x"], "dp=1", "no counterpart for model.mlp=swiglu"),
     (["model.mlp_hidden=101"], "dp=4,tp=2", "the MLP width (101)"),
 ])
