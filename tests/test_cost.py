@@ -50,6 +50,20 @@ def test_cublas_gemm_custom_call_reads_dimension_numbers_from_backend_config():
     assert k.bytes == 2 * (4 * 256 * 64 + 4 * 64 * 128 + 4 * 256 * 128)  # the workspace is not data
 
 
+
+@pytest.mark.parametrize("op_name, group", [
+    ("jit(f)/jvp()/while/body/BTNH,BSNH->BNTS/dot_general", cost.ATTENTION),  # XLA attention's scores
+    ("jit(f)/scale_by_muon/lbd,lcd->lbc/dot_general", cost.GEMM),             # Muon's Newton-Schulz, batched over L
+])
+def test_a_batched_gemm_is_attention_only_when_it_is_xla_attention(op_name, group):
+    text = GEMM.replace("bf16[1024,512]", "bf16[4,1024,512]").replace("bf16[512,2048]", "bf16[4,512,2048]") \
+        .replace("bf16[1024,2048]", "bf16[4,1024,2048]").replace("{1,0}", "{2,1,0}") \
+        .replace("lhs_contracting_dims={1}, rhs_contracting_dims={0}",
+                 "lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}") \
+        .replace("jit(f)/mlp_in/dot_general", op_name)
+    (k,), _ = cost.kernels(text, P)
+    assert k.group == group and k.flops == 4 * 2 * 1024 * 2048 * 512
+
 ELEMENTWISE = """HloModule m
 
 %fused_add (p0: f32[1000,1000], p1: f32[1000]) -> bf16[1000,1000] {

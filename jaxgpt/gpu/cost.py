@@ -311,8 +311,8 @@ class _Walker:
                 flops = sum(2.0 * g.batch * g.m * g.n * g.k for g in gs)
                 big = max(gs, key=lambda g: g.batch * g.m * g.n * g.k)
                 group = GEMM
-                if big.batched and not any(f"/{layer}/" in big.op_name for layer in hlo.LAYERS):
-                    group = ATTENTION  # XLA attention's batched einsums
+                if big.batched and _XLA_ATTENTION.search(big.op_name):
+                    group = ATTENTION  # XLA attention's batched einsums (not Muon's, batched over layers)
                 seconds = sum(gemm_seconds(g, nbytes / len(gs), p) for g in gs) - (len(gs) - 1) * p.launch_seconds
                 return Kernel(i.name, group, times, flops, nbytes, seconds)
             names = [own_name] + [m.group(1) for d in body if (m := re.search(r'op_name="([^"]*)"', d.line))]
