@@ -190,6 +190,15 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    tasks: str = _f("", "multiple-choice tasks scored at evaluations, 'NAME=PATH,NAME=PATH' (YAML: a mapping "
+                    "NAME: PATH); each a HellaSwag JSONL file or a {context, choices, label} JSONL file")
+    task_every: int = _f(0, "score the tasks every N steps (a multiple of train.eval_every), at the first and the "
+                         "last evaluation; 0 = at every evaluation", range=NONNEGATIVE)
+    task_limit: int = _f(0, "score only the first N examples of each task; 0 = all", range=NONNEGATIVE)
+
+
+@dataclass(frozen=True)
 class MeshConfig:
     pp: int = _f(1, "pipeline-parallel axis size: the layers split into pp stages, micro-batches flowing through "
                  "them (jaxgpt/pipeline.py); -1 as below", range=MESH_AXIS)
@@ -264,6 +273,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -294,6 +304,10 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     if key == "data.mix" and isinstance(raw, list):  # YAML list form: [{web: 0.7}, {code: 0.3}] or ["web:0.7", ...]
         raw = ",".join(",".join(f"{k}:{v}" for k, v in item.items()) if isinstance(item, dict) else str(item)
                        for item in raw)
+    if key == "eval.tasks" and isinstance(raw, dict):  # YAML mapping form: {hellaswag: path, ...}
+        raw = ",".join(f"{k}={v}" for k, v in raw.items())
+    if key == "eval.tasks" and isinstance(raw, list):  # or a list of NAME=PATH strings
+        raw = ",".join(str(item) for item in raw)
     value = yaml.safe_load(raw) if isinstance(raw, str) and want is not str else raw
     if want in (int, float) and isinstance(value, str):
         try:  # YAML 1.1 reads '1e-3' as a string
@@ -455,6 +469,7 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     if m.position == "rope" and m.head_dim % 2:
         raise UserError(f"model.position=rope rotates pairs of features, but the head dim n_embd / n_head = "
                         f"{m.head_dim} is odd")
+    _validate_eval(cfg, sizes)
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     pipeline_microbatches(cfg, sizes)  # raises if the pipeline layout cannot work
     if m.n_head % sizes["tp"]:
@@ -471,6 +486,22 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         raise UserError(f"the data's tokenizer has {data_vocab_size} tokens but model.vocab_size is "
                         f"{m.vocab_size}; raise model.vocab_size to at least {data_vocab_size}")
     return sizes
+
+
+def _validate_eval(cfg: Config, sizes: dict[str, int]) -> None:
+    from jaxgpt.evaluate.tasks import parse_spec  # the spec's syntax; the files are read by train()
+
+    e, every = cfg.eval, cfg.train.eval_every
+    if not parse_spec(e.tasks):
+        return
+    if not every:
+        raise UserError("eval.tasks are scored at evaluations, but train.eval_every=0 turns them off")
+    if e.task_every % every:
+        raise UserError(f"eval.task_every={e.task_every} is not a multiple of train.eval_every={every} (tasks are "
+                        f"scored at evaluations)")
+    if sizes["pp"] > 1:
+        raise UserError(f"eval.tasks: task scoring does not pipeline (pp={sizes['pp']}); score the checkpoints with "
+                        f"python -m jaxgpt.eval instead")
 
 
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:

@@ -56,14 +56,16 @@ AUTO_CHUNK_ROWS = {"cpu": 512}
 AUTO_CHUNK_ROWS_ACCELERATOR = 8192
 
 
-def chunk_positions(cfg: ModelConfig, rows_per_device: int) -> int:
-    """Positions per loss chunk t (a divisor of seq_len) for `model.loss_chunk`, given the
-    sequences each device holds."""
-    if cfg.loss_chunk:
+def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None) -> int:
+    """Positions per loss chunk t (a divisor of T, default seq_len) for `model.loss_chunk`, given
+    the sequences each device holds; a loss_chunk that does not divide a shorter T (evaluation's
+    length buckets) falls back to the auto rule."""
+    T = T or cfg.seq_len
+    if cfg.loss_chunk and T % cfg.loss_chunk == 0:
         return cfg.loss_chunk
     budget = AUTO_CHUNK_ROWS.get(target_device().platform, AUTO_CHUNK_ROWS_ACCELERATOR)
     limit = max(1, budget // max(1, rows_per_device))
-    return max(t for t in range(1, min(cfg.seq_len, limit) + 1) if cfg.seq_len % t == 0)
+    return max(t for t in range(1, min(T, limit) + 1) if T % t == 0)
 
 
 def _rows_per_device(B: int) -> int:
@@ -94,6 +96,29 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
     x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
     labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
     return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap) / (B * T)
+
+
+def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
+               dtype: jnp.dtype) -> jax.Array:
+    """fp32 cross-entropy of every position [B, T] (evaluation: no gradient), the head applied a
+    chunk at a time like `chunked_cross_entropy`; its sum over all positions is that function's
+    loss times B*T (up to summation order)."""
+    B, T, D = x_BTD.shape
+    t = chunk_positions(cfg, _rows_per_device(B), T)
+    x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
+    labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
+    head = _Head(wte_VD, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap)
+
+    @jax.named_scope("head")
+    def body(_, chunk):
+        x_BtD, labels_Bt = chunk
+        logits_BtV = head.logits(x_BtD)[0]
+        lse_Bt = jax.nn.logsumexp(logits_BtV, axis=-1)
+        is_label_BtV = jnp.arange(logits_BtV.shape[-1]) == labels_Bt[..., None]
+        return None, lse_Bt - jnp.sum(jnp.where(is_label_BtV, logits_BtV, 0.0), axis=-1)
+
+    nats_CBt = jax.lax.scan(body, None, (x_CBtD, labels_CBt))[1]
+    return nats_CBt.swapaxes(0, 1).reshape(B, T)
 
 
 class _Head:

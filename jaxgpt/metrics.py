@@ -10,7 +10,8 @@ accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
 tokens_per_sec, mfu, and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
-the cross-entropy alone; jaxgpt/moe.py); evaluation lines carry step and val_loss. Other tools (and `jaxgpt.report`)
+the cross-entropy alone; jaxgpt/moe.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
+no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm. Other tools (and `jaxgpt.report`)
 read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
 records by `tracking.Tracker`.
@@ -82,7 +83,13 @@ class MetricsLog:
 def format_record(r: dict[str, Any]) -> str:
     """The console line for a train or eval record."""
     if "val_loss" in r:
-        return f"step {r['step']:>6} | val_loss {'nan' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
+        line = f"step {r['step']:>6} | val_loss {'nan' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
+        if "val_bpb" in r:
+            line += f" | val_bpb {'n/a' if r['val_bpb'] is None else format(r['val_bpb'], '.4f')}"
+        for key, value in r.items():  # task/NAME/acc, task/NAME/acc_norm
+            if key.startswith("task/"):
+                line += f" | {key.removeprefix('task/')} {value:.4f}"
+        return line
     def num(key: str, spec: str) -> str:  # a non-finite value is logged as null
         return "nan" if r.get(key) is None else format(r[key], spec)
 

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt import files
@@ -131,7 +132,7 @@ def _sample(argv: Sequence[str] | None) -> None:
     prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
     params, cfg, step = restore_params(args.run, check=lambda cfg: check_fits(len(prompt), args.max_new_tokens, cfg))
     if args.mesh:
-        params = _shard(params, cfg, args.mesh)
+        params, _ = shard_params(params, cfg, args.mesh)
     prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
     graphdef, _ = abstract_model(cfg)
     tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, temperature=args.temperature,
@@ -154,8 +155,8 @@ def _sample(argv: Sequence[str] | None) -> None:
         print(f"--- sample {i + 1}\n{args.prompt}{enc.decode(row.tolist())}")
 
 
-def _shard(params: dict, cfg: Config, spec: str) -> dict:
-    """Places the parameters on a mesh of all devices, sharded as in training."""
+def shard_params(params: dict, cfg: Config, spec: str, command: str = "sampling") -> tuple[dict, Mesh]:
+    """(the parameters placed on a mesh of all devices, sharded as in training; that mesh)."""
     try:
         sizes = {key.split(".")[1]: int(size) for key, size in parse_mesh(spec).items()}
     except ValueError:
@@ -163,7 +164,7 @@ def _shard(params: dict, cfg: Config, spec: str) -> dict:
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, **sizes))
     shape = mesh_shape(cfg.mesh, jax.device_count())
     if shape["pp"] > 1:
-        raise UserError(f"--mesh {spec}: sampling does not pipeline (pp={shape['pp']}); split a model too big for "
+        raise UserError(f"--mesh {spec}: {command} does not pipeline (pp={shape['pp']}); split a model too big for "
                         f"one device with tp or fsdp instead")
     checks = [("tp", cfg.model.n_head, "model.n_head"), ("tp", cfg.model.kv_heads, "model.n_kv_head"),
               ("fsdp", cfg.model.n_embd, "model.n_embd")]
@@ -172,7 +173,8 @@ def _shard(params: dict, cfg: Config, spec: str) -> dict:
     for axis, dim, name in checks:
         if dim % shape[axis]:
             raise UserError(f"--mesh {spec}: {axis}={shape[axis]} does not divide {name}={dim}")
-    return jax.device_put(params, make_setup(cfg, make_mesh(shape)).shardings.params)
+    mesh = make_mesh(shape)
+    return jax.device_put(params, make_setup(cfg, mesh).shardings.params), mesh
 
 
 def main(argv: Sequence[str] | None = None) -> int:

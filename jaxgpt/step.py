@@ -36,6 +36,10 @@ returns this stage's share of the loss. The parameters are made varying over pp 
 the accumulation a psum over pp adds up the partial gradients of what every stage uses
 (embeddings, ln_f), while a stage's own blocks need no pp reduction. The eval step runs the same
 pipeline under a `shard_map` manual over pp only.
+
+Evaluation returns sums, not only the mean: the cross-entropy of every val position and, for bits
+per byte, the nats and UTF-8 bytes of the positions whose label is text (`val_sums`); every stage
+sums the rows whose head it computes and a psum over pp adds them.
 """
 
 from __future__ import annotations
@@ -51,10 +55,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
-from jaxgpt.loss import chunked_cross_entropy
+from jaxgpt.loss import chunked_cross_entropy, token_nats
 from jaxgpt.mesh import named, shard
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
 from jaxgpt.optim import lr_schedule, make_optimizer
+from jaxgpt.tokenizer import token_bytes
 
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
@@ -157,6 +162,17 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     `params['blocks']` holds this stage's chunks, and the result is its share of the loss (the M/pp
     micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss.
     `block_axes`: the blocks' logical axes, for pipeline.gather_once."""
+    x_BTD, labels_BT = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches, block_axes,
+                                         bubble_fill)
+    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, cfg.model, dtype) / stages
+    return loss, {"loss": loss}
+
+
+def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
+                      stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
+                      ) -> tuple[jax.Array, jax.Array]:
+    """(final features [rows, T, D], their labels [rows, T]) of the rows whose head this stage
+    computes (its M/pp micro-batches), as pipeline_objective's loss takes them."""
     S, R, M = stages, cfg.pipeline.repeats, microbatches
     if cfg.pipeline.gather_once:  # fsdp: whole (fp32) stage weights for the round; a no-op without fsdp
         whole = lambda x, axes: shard(x, *(None if a == "embed" else a for a in axes))  # noqa: E731
@@ -175,9 +191,7 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
-    labels_BT = labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
-    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, cfg.model, dtype) / S
-    return loss, {"loss": loss}
+    return x_BTD, labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
 
 
 class Layout(NamedTuple):
@@ -274,25 +288,45 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                    out_shardings=(setup.shardings, replicated), donate_argnums=0)
 
 
+def val_sums(x_BTD: jax.Array, labels_BT: jax.Array, table_VD: jax.Array, bytes_V: jax.Array, cfg: ModelConfig,
+             dtype: jnp.dtype) -> dict[str, jax.Array]:
+    """What one val batch adds up: `nats` (cross-entropy summed over every position), and for bits
+    per byte `text_nats` and `text_bytes`, the same sum and the UTF-8 bytes over the positions whose
+    label is text (bytes_V > 0; `<|endoftext|>` is a boundary, not text), as nanochat counts them."""
+    nats_BT = token_nats(x_BTD, table_VD, labels_BT, cfg, dtype)
+    bytes_BT = bytes_V[labels_BT]
+    return {"nats": jnp.sum(nats_BT), "text_nats": jnp.sum(jnp.where(bytes_BT > 0, nats_BT, 0.0)),
+            "text_bytes": jnp.sum(bytes_BT)}
+
+
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
-    """jit(params, batch [B, T+1]) -> mean cross-entropy (no MoE auxiliary losses); under pp
-    through the same pipeline as training."""
+    """(params, batch [B, T+1]) -> {'loss': mean cross-entropy (no MoE auxiliary losses), 'text_nats',
+    'text_bytes'} (see val_sums), replicated; under pp through the same pipeline as training."""
     dtype = compute_dtype(cfg.model.dtype)
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
+    table = token_bytes(cfg.model.padded_vocab)
+    replicated = NamedSharding(mesh, P())
+    bytes_V = jax.make_array_from_callback(table.shape, replicated, lambda index: table[index])  # once, any host count
 
-    def loss(params, batch_BT1):
+    def sums(params, batch_BT1, bytes_V):
         if S == 1:
-            return loss_fn(params, setup.graphdef, batch_BT1, cfg.model, dtype)
+            x_BTD = nnx.merge(setup.graphdef, params)(batch_BT1[:, :-1], dtype, features_only=True)
+            return val_sums(x_BTD, batch_BT1[:, 1:], head_table(params), bytes_V, cfg.model, dtype)
         layout = manual_layout(cfg, mesh, setup)
 
-        def per_stage(params, batch_BT1):
-            partial = pipeline_objective(params, setup.graphdef, batch_BT1, cfg, dtype, S, layout.microbatches,
-                                         setup.logical_axes["blocks"])[0]
-            return jax.lax.psum(partial, "pp")
+        def per_stage(params, batch_BT1, bytes_V):  # each stage sums the rows whose head it computes
+            x_BTD, labels_BT = pipeline_features(params, setup.graphdef, batch_BT1, cfg, dtype, S,
+                                                 layout.microbatches, setup.logical_axes["blocks"])
+            return jax.lax.psum(val_sums(x_BTD, labels_BT, head_table(params), bytes_V, cfg.model, dtype), "pp")
 
         params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)}
-        return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P()), out_specs=P(),
-                             axis_names={"pp"})(params, batch_BT1)
+        return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P(), P()), out_specs=P(),
+                             axis_names={"pp"})(params, batch_BT1, bytes_V)
 
-    return jax.jit(loss, in_shardings=(setup.shardings.params, named(mesh, ("batch", None))),
-                   out_shardings=NamedSharding(mesh, P()))
+    def evaluate(params, batch_BT1, bytes_V):
+        out = sums(params, batch_BT1, bytes_V)
+        return {"loss": out.pop("nats") / (batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)), **out}
+
+    step = jax.jit(evaluate, in_shardings=(setup.shardings.params, named(mesh, ("batch", None)), replicated),
+                   out_shardings=replicated)
+    return lambda params, batch_BT1: step(params, batch_BT1, bytes_V)

@@ -15,6 +15,7 @@ import functools
 import hashlib
 from pathlib import Path
 
+import numpy as np
 import tiktoken
 import tiktoken.load
 
@@ -52,3 +53,15 @@ def gpt2_encoding() -> tiktoken.Encoding:
 def vocab_sha256() -> str:
     """sha256 of the packaged vocabulary file: the tokenizer's identity in meta.json."""
     return hashlib.sha256(_VOCAB_PATH.read_bytes()).hexdigest()
+
+
+@functools.cache
+def token_bytes(size: int = N_VOCAB) -> np.ndarray:
+    """int32 [size]: the UTF-8 bytes each token id decodes to, 0 for `<|endoftext|>` (a document
+    boundary, not text) and for ids past the vocabulary (the model's padding). GPT-2's tokens are
+    byte strings, so the bytes of a token sequence's text are the sum over its tokens, exactly."""
+    table = np.zeros(size, np.int32)
+    for token, rank in mergeable_ranks().items():
+        if rank < size:
+            table[rank] = len(token)
+    return table

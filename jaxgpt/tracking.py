@@ -1,14 +1,15 @@
 """Where a run's numbers go besides metrics.jsonl, the run's event log, and profiling.
 
 `Tracker.write(record)` takes the records `metrics.MetricsLog` writes to metrics.jsonl (train:
-step, loss, lr, grad_norm, tokens_per_sec, mfu; eval: step, val_loss) and hands the same values to
+step, loss, lr, grad_norm, tokens_per_sec, mfu; eval: step, val_loss, val_bpb, task/NAME/...) and hands the same values to
 
     console      one line per record, exactly as metrics.py prints them (`logging.progress=lines`,
                  and `auto` when stdout is not a terminal: CI, SLURM logs, pipes); or, on a
                  terminal, a tqdm bar with step/total, ETA, and the latest loss and tokens/s, eval
                  lines printed above it (`bar`, and `auto` on a terminal).
     RUN_DIR/tb/  TensorBoard event files (tensorboardX, no TensorFlow): train/loss, train/lr,
-                 train/grad_norm, perf/tokens_per_sec, perf/mfu (when known), val/loss, the
+                 train/grad_norm, perf/tokens_per_sec, perf/mfu (when known), val/loss, val/bpb,
+                 task/NAME/acc and task/NAME/acc_norm (eval.tasks), the
                  config as hparams (flattened `section.key`) and as YAML text. A resumed session
                  opens its writer with `purge_step` = the checkpoint step + 1, so TensorBoard drops
                  the earlier session's points after the checkpoint, as metrics.jsonl is trimmed.
@@ -60,12 +61,19 @@ from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
 
 # What jaxgpt writes into a run dir; `check_run_dir` refuses a run dir where one is the wrong kind.
-RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png")
+RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png", "tasks.png")
 RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss",
-        "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_dropped": "moe/dropped"}  # MoE only
+        "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_dropped": "moe/dropped",  # MoE only
+        "val_bpb": "val/bpb"}
+
+
+def tags(record: dict[str, Any]) -> dict[str, Any]:
+    """TensorBoard/W&B tag -> value of a record's non-null metrics; task/NAME/acc keeps its name."""
+    out = {tag: record[key] for key, tag in TAGS.items() if record.get(key) is not None}
+    return {**out, **{k: v for k, v in record.items() if k.startswith("task/") and v is not None}}
 
 
 def require_wandb(cfg: LoggingConfig):
@@ -153,9 +161,8 @@ class _TensorBoard:
         self.writer.add_text("config", "\n".join("    " + line for line in config_yaml.splitlines()), start)
 
     def write(self, record: dict[str, Any]) -> None:
-        for key, tag in TAGS.items():
-            if record.get(key) is not None:
-                self.writer.add_scalar(tag, record[key], record["step"])
+        for tag, value in tags(record).items():
+            self.writer.add_scalar(tag, value, record["step"])
 
     def close(self, completed: bool) -> None:
         if completed:
@@ -170,7 +177,7 @@ class _WandB:
                               config=cfg.to_dict(), id=run_id, resume="allow")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.run.log({tag: record[k] for k, tag in TAGS.items() if record.get(k) is not None}, step=record["step"])
+        self.run.log(tags(record), step=record["step"])
 
     def close(self, completed: bool) -> None:
         self.run.finish(exit_code=0 if completed else 1)

@@ -20,6 +20,12 @@ save) keeps none, and writes step 0's eval row again. A kill at any moment thus 
 after the re-run, are the uninterrupted run's (only timing values, tokens_per_sec and mfu, differ),
 including a kill after the last checkpoint, where the re-run has nothing to do.
 
+An eval row holds val_loss, val_bpb (bits per byte: the val nats over text positions / ln 2 / the
+UTF-8 bytes those positions' labels decode to; jaxgpt/step.py `val_sums`) and, when `eval.tasks`
+are due (every `eval.task_every` steps, the first and the last evaluation), task/NAME/acc and
+task/NAME/acc_norm (jaxgpt/evaluate). All are functions of the parameters and of fixed inputs
+(the val batches, the task files), so a resumed run writes them again exactly.
+
 Process 0 records the run: metrics.jsonl, TensorBoard, W&B, the console and events.jsonl through
 `tracking.Tracker`, and at the end of the run (completed, preempted or diverged) RUN_DIR/report.md
 through `jaxgpt.report`.
@@ -46,6 +52,8 @@ from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.data import integrity
 from jaxgpt.errors import UserError
+from jaxgpt.evaluate.score import Scorer
+from jaxgpt.evaluate.tasks import Task, load_tasks
 from jaxgpt.files import read_jsonl
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
@@ -131,6 +139,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     verified = run_dir / "data-verified.json"
     train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, cache=verified)
     validate(cfg, len(devices), data_vocab)
+    tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
     cfg, remat_why, _ = remat.resolve(cfg, device_memory(devices[0]), lambda c: plan(c, devices))  # model.remat=auto
     t, m = cfg.train, cfg.model
     pid = jax.process_index()
@@ -178,7 +187,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
                     track.event("restart", step=start, **restart)
                 track.begin(start, run_info(cfg, run_dir, sizes, devices, dtype=np.dtype(dtype).name, kernel=kernel,
                                             kernel_reason=why, params=param_count(m), peak=peak), resumed_from)
-            loop = _Loop(cfg, setup, mesh, track, len(devices), peak)
+            loop = _Loop(cfg, setup, mesh, track, len(devices), peak, tasks)
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
         ckpt.wait()
         track.event("end", step=max(start, t.steps))
@@ -196,20 +205,31 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
 class _Loop:
     """The step loop: dispatch, deferred metrics, evaluation, checkpoints, stop requests."""
 
-    def __init__(self, cfg: Config, setup: Setup, mesh, track: Tracker, n_devices: int, peak: float | None):
+    def __init__(self, cfg: Config, setup: Setup, mesh, track: Tracker, n_devices: int, peak: float | None,
+                 tasks: Sequence[Task] = ()):
         self.cfg, self.track, self.n_devices, self.peak = cfg, track, n_devices, peak
         self.train_step = make_train_step(cfg, mesh, setup)
         self.eval_step = make_eval_step(cfg, mesh, setup)
+        self.tasks = tasks  # scored with the micro-batch's rows, which training already fits in memory
+        self.scorer = Scorer(setup.graphdef, cfg.model, mesh, cfg.train.batch_size // cfg.train.grad_accum)
         self.clock = Throughput()
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
 
     def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
-        losses = [self.eval_step(state.params, to_global(b)) for b in val_batches]
-        val_loss = float(np.mean(jax.device_get(losses)))
+        """The eval row: val_loss, val_bpb and, when due, every task's acc and acc_norm."""
+        sums = jax.device_get([self.eval_step(state.params, to_global(b)) for b in val_batches])
+        val_loss = float(np.mean([s["loss"] for s in sums]))
         if not math.isfinite(val_loss):
             self.track.event("diverged", step=step, metric="val_loss")
             raise Diverged(f"the val loss became {val_loss} at step {step}; lower optimizer.lr or check the data")
-        self.track.write({"step": step, "val_loss": val_loss})
+        text_bytes = sum(int(s["text_bytes"]) for s in sums)
+        bpb = sum(float(s["text_nats"]) for s in sums) / math.log(2) / text_bytes if text_bytes else None
+        record = {"step": step, "val_loss": val_loss, "val_bpb": bpb}
+        every, last = self.cfg.eval.task_every, self.cfg.train.steps
+        if self.tasks and (not every or step % every == 0 or step in (0, last)):
+            for task in self.tasks:
+                record.update(self.scorer.score(state.params, task).fields())
+        self.track.write(record)
 
     def finish(self, step: int, metrics: dict) -> None:
         """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""

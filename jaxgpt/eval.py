@@ -1,0 +1,74 @@
+"""`python -m jaxgpt.eval RUN_DIR --task NAME=PATH [--task NAME=PATH ...] [options]`: task accuracy of a checkpoint.
+
+Restores the newest readable checkpoint of a run (or a checkpoints dir), places its parameters on
+a mesh of all devices (`--mesh`, default every device on dp, sharded as in training by
+`sample.shard_params`) and scores each task file (jaxgpt/evaluate: formats, protocol, batching).
+The task files are read and checked before any parameter is read. Prints one line per task, or
+with `--json` one JSON object with the metrics.jsonl field names (`task/NAME/acc`,
+`task/NAME/acc_norm`) plus `step` and, per task, `task/NAME/examples`. The same scores appear in
+a training run's eval rows when the run sets `eval.tasks`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.config import Config
+from jaxgpt.errors import UserError
+
+
+def _main(argv: Sequence[str] | None) -> None:
+    from jaxgpt.evaluate.score import Scorer
+    from jaxgpt.evaluate.tasks import load_task, parse_spec
+    from jaxgpt.hf import restore_params  # the newest readable checkpoint on one device
+    from jaxgpt.sample import shard_params
+    from jaxgpt.step import abstract_model
+
+    parser = ArgumentParser(prog="python -m jaxgpt.eval", description="Score multiple-choice tasks with a checkpoint.")
+    parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
+    parser.add_argument("--task", action="append", required=True, metavar="NAME=PATH",
+                        help="a HellaSwag JSONL file or a {context, choices, label} JSONL file; repeatable")
+    parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of each task (0 = all)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch, rounded up to a multiple "
+                                                                    "of the mesh's batch devices (default 32)")
+    parser.add_argument("--mesh", default="dp=-1", help="shard over this mesh, e.g. dp=8 or tp=2 (default: every "
+                                                        "device on dp)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a line per task")
+    args = parser.parse_args(argv)
+    if args.limit < 0:
+        raise UserError(f"--limit must be >= 0, got {args.limit}")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
+    specs = [pair for spec in args.task for pair in parse_spec(spec, "--task")]
+    if len({name for name, _ in specs}) < len(specs):
+        raise UserError("--task: a task name is given twice")
+    tasks = []
+
+    def read_tasks(cfg: Config) -> None:  # before any parameter is read
+        tasks.extend(load_task(name, path, cfg.model.seq_len, args.limit) for name, path in specs)
+
+    params, cfg, step = restore_params(args.run, check=read_tasks)
+    params, mesh = shard_params(params, cfg, args.mesh, command="evaluation")
+    scorer = Scorer(abstract_model(cfg)[0], cfg.model, mesh, args.batch_size)
+    record: dict = {"step": step}
+    for task in tasks:
+        scores = scorer.score(params, task, progress=True)
+        record.update(scores.fields())
+        record[f"task/{task.name}/examples"] = scores.examples
+        if not args.json:
+            print(f"{task.name}: acc {scores.acc:.4f} | acc_norm {scores.acc_norm:.4f} | {scores.examples} examples "
+                  f"| {scores.examples / scores.seconds:,.1f} examples/s (step {step}, {task.path})", flush=True)
+    if args.json:
+        print(json.dumps(record))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
