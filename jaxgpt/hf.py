@@ -1,6 +1,14 @@
-"""Hugging Face GPT-2 interop: `python -m jaxgpt.hf export RUN_DIR OUT_DIR` and `check HF_DIR`.
+"""Hugging Face interop: `python -m jaxgpt.hf export RUN_DIR OUT_DIR`, `import HF_DIR RUN_DIR`, `check HF_DIR`.
 
-Our parameters (model.py) are stored so that every HF `GPT2LMHeadModel` tensor is a plain
+Two transformers classes hold jaxgpt models: `GPT2LMHeadModel` a GPT-2-shaped one (every
+architecture key at its default), `LlamaForCausalLM` a Llama-shaped one (RMSNorm with a scale,
+RoPE, SwiGLU; any grouped-query heads, MLP width, rope_theta, tied or untied head, biases or not).
+`hf_llama.architecture` picks the class from the model config on export and refuses in one line
+what neither holds; on the way in, config.json's model_type (or its `architectures`) picks it.
+The GPT-2 mapping is below; the Llama mapping, with its RoPE layout convention (rotate-half, so q
+and k cross unpermuted), is in hf_llama.py's docstring.
+
+GPT-2. Our parameters (model.py) are stored so that every HF `GPT2LMHeadModel` tensor is a plain
 row-major reshape of one layer's slice; nothing is transposed. HF's `Conv1D` weights are [in, out]:
 
     ours (blocks stacked on L)                HF (per layer i; "transformer." prefix optional)
@@ -21,13 +29,13 @@ to its first T rows (positions are absolute, so a prefix is the same model on sh
 HF's causal-mask buffers (`h.i.attn.bias`, `masked_bias`) are ignored.
 
 `export` restores the newest readable checkpoint of a run (the config stored with it decides the
-shapes) onto one device and writes `model.safetensors`, a `config.json` that
-`GPT2LMHeadModel.from_pretrained` reads, a `generation_config.json` (bos = eos = <|endoftext|>)
-and GPT-2's tokenizer files (`hf_tokenizer.py`), so the directory is usable as it is:
-`AutoTokenizer` + `GPT2LMHeadModel` generate what `jaxgpt.sample` generates.
+shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that
+`GPT2LMHeadModel.from_pretrained` (or `LlamaForCausalLM`'s) reads, a `generation_config.json`
+(bos = eos = <|endoftext|>) and GPT-2's tokenizer files (`hf_tokenizer.py`), so the directory is
+usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates.
 
 `load_dir` is the way back, for initialising a run (`checkpoint.init_from_hf`). `import` turns an
-HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh AdamW
+HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh optimizer
 state, the data iterator at its start, the config implied by config.json plus any overrides),
 which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like any other.
 """
@@ -39,7 +47,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -47,13 +55,14 @@ import orbax.checkpoint as ocp
 import yaml
 from safetensors.numpy import load_file, save_file
 
-from jaxgpt import files, hf_tokenizer
+from jaxgpt import files, hf_llama, hf_tokenizer
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
 from jaxgpt.errors import UserError
 from jaxgpt.mesh import make_mesh
 from jaxgpt.step import TrainState, abstract_state, make_setup
+from jaxgpt.tokenizer import N_VOCAB
 
 WEIGHTS, CONFIG, GENERATION_CONFIG = "model.safetensors", "config.json", "generation_config.json"
 EOT = 50256  # <|endoftext|>, GPT-2's bos and eos
@@ -164,8 +173,9 @@ def model_overrides(hf_cfg: dict[str, Any]) -> dict[str, int]:
 
 
 def _check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
-    if hf_cfg.get("model_type", "gpt2") != "gpt2":
-        raise UserError(f"{source} describes a {hf_cfg['model_type']!r} model, not GPT-2")
+    if m.beyond_gpt2():
+        raise UserError(f"{source} describes a GPT-2 but the model config sets {', '.join(m.beyond_gpt2())}; "
+                        f"drop those keys")
     fixed = _FIXED | {"n_inner": (None, (None, 4 * hf_cfg.get("n_embd", 768)))}
     for key, (default, allowed) in fixed.items():
         if hf_cfg.get(key, default) not in allowed:
@@ -188,14 +198,43 @@ _CONFIG_SHAPE = {"model_type": str, "activation_function": str, "layer_norm_epsi
                  "n_inner": (int, type(None))} | {key: int for key in _SIZES}
 
 
-def _read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+class Format(NamedTuple):
+    """One transformers class: the tensor mapping both ways and what config.json says."""
+    name: str
+    to_hf: Callable[[dict, ModelConfig], dict[str, np.ndarray]]
+    from_hf: Callable[[dict[str, np.ndarray], ModelConfig], dict]
+    hf_config: Callable[[ModelConfig], dict[str, Any]]
+    model_overrides: Callable[[dict[str, Any]], dict[str, Any]]
+    check_config: Callable[[dict[str, Any], ModelConfig, Path], None]
+    config_shape: dict[str, Any]
+
+
+FORMATS = {"gpt2": Format("GPT-2", to_hf, from_hf, hf_config, model_overrides, _check_config, _CONFIG_SHAPE),
+           "llama": Format("Llama", hf_llama.to_hf, hf_llama.from_hf, hf_llama.hf_config, hf_llama.model_overrides,
+                           hf_llama.check_config, hf_llama.CONFIG_SHAPE)}
+
+
+def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
+    """config.json's model_type (or, without one, its architectures) -> the Format that reads it."""
+    files.check_shape(hf_cfg, f"Hugging Face config {source}", optional={"model_type": str, "architectures": list})
+    default = "llama" if hf_llama.ARCHITECTURE in hf_cfg.get("architectures", []) else "gpt2"
+    kind = hf_cfg.get("model_type", default)
+    if kind not in FORMATS:
+        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2 and Llama (model_type gpt2 or llama)")
+    fmt = FORMATS[kind]
+    files.check_shape(hf_cfg, f"Hugging Face config {source}", optional=fmt.config_shape)
+    for key, value in hf_cfg.items():
+        if key in fmt.config_shape and type(value) is int and value < 1:
+            raise UserError(f"Hugging Face config {source}: {key} must be positive, got {value}")
+    return fmt
+
+
+def _read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Format]:
     hf_dir = files.require_dir(hf_dir, "Hugging Face directory")
     if not (hf_dir / CONFIG).is_file():
         raise UserError(f"{hf_dir} holds no {CONFIG}; give a directory written by save_pretrained or jaxgpt.hf export")
-    hf_cfg = files.read_json_object(hf_dir / CONFIG, "Hugging Face config", optional=_CONFIG_SHAPE)
-    for key in _SIZES:
-        if hf_cfg.get(key, 1) < 1:
-            raise UserError(f"Hugging Face config {hf_dir / CONFIG}: {key} must be positive, got {hf_cfg[key]}")
+    hf_cfg = files.read_json_object(hf_dir / CONFIG, "Hugging Face config")
+    fmt = _format_of(hf_cfg, hf_dir / CONFIG)
     index = hf_dir / f"{WEIGHTS}.index.json"  # save_pretrained shards files over 5 GB
     names = [WEIGHTS]
     if index.is_file():
@@ -211,14 +250,15 @@ def _read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
             tensors |= load_file(hf_dir / name)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{hf_dir / name} cannot be read as safetensors ({e})") from None
-    return hf_cfg, tensors
+    return hf_cfg, tensors, fmt
 
 
 def load_dir(hf_dir: Path, model_cfg: ModelConfig) -> dict:
-    """config.json + model.safetensors (as from_pretrained/export write them) -> our params, checked."""
-    hf_cfg, tensors = _read_dir(hf_dir)
-    _check_config(hf_cfg, model_cfg, Path(hf_dir) / CONFIG)
-    return from_hf(tensors, model_cfg)
+    """config.json + model.safetensors (GPT-2 or Llama, as from_pretrained/export write them) -> our params, checked."""
+    hf_cfg, tensors, fmt = _read_dir(hf_dir)
+    hf_llama.architecture(model_cfg)  # no experts, no mix of the two
+    fmt.check_config(hf_cfg, model_cfg, Path(hf_dir) / CONFIG)
+    return fmt.from_hf(tensors, model_cfg)
 
 
 def _config_from_dict(d: dict[str, Any]) -> Config:
@@ -260,25 +300,20 @@ def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None
 EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *hf_tokenizer.FILES)
 
 
-def refuse_moe(cfg: Config) -> None:
-    """GPT-2 has no Mixture-of-Experts layers: an MoE model has no Hugging Face GPT-2 form; nor has
-    a model with a non-GPT-2 architecture key (RMSNorm, RoPE, SwiGLU, grouped-query attention, ...)."""
-    if cfg.model.moe_experts:
-        raise UserError(f"this is a Mixture-of-Experts model (model.moe_experts={cfg.model.moe_experts}); "
-                        f"Hugging Face GPT-2 has no experts, so only dense models (moe_experts=0) convert")
-    if cfg.model.beyond_gpt2():
-        raise UserError(f"only GPT-2-shaped models convert to and from Hugging Face GPT-2; this one sets "
-                        f"{', '.join(cfg.model.beyond_gpt2())}")
+def _format_for(cfg: Config) -> Format:
+    """The Format that holds this model, or hf_llama.architecture's one-line UserError."""
+    return FORMATS[hf_llama.architecture(cfg.model)]
 
 
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
     out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
-    params, cfg, step = restore_params(run_dir_or_ckpt, check=refuse_moe)
+    params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
+    fmt = _format_for(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files without a "format" entry in their metadata.
-    save_file(to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
-    (out_dir / CONFIG).write_text(json.dumps(hf_config(cfg.model), indent=2) + "\n")
+    save_file(fmt.to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
+    (out_dir / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
     hf_tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
     return step
@@ -291,22 +326,28 @@ def _fresh_data_state() -> dict:
                           process_count=1).get_state()
 
 
-def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None, overrides: Sequence[str] = ()) -> Config:
-    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2 directory, without
-    training: the model.* keys come from its config.json (then `config` and `overrides`), the
-    parameters from its weights, the optimizer state is AdamW's fresh one. Returns the config."""
+def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
+               overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2 or Llama directory,
+    without training: the model.* keys come from its config.json (then `config` and `overrides`),
+    the parameters from its weights, the optimizer state is a fresh one. Returns the config and
+    the model.* keys config.json implies (what a `train --run-dir` resuming it must keep)."""
     from jaxgpt.tracking import check_run_dir
 
     run_dir = check_run_dir(run_dir)
     ckpt_dir = run_dir / "checkpoints"
     if ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir()):
         raise UserError(f"run dir {run_dir} already holds checkpoints; import into a new run dir")
-    hf_cfg, tensors = _read_dir(hf_dir)
-    implied = [f"{key}={value}" for key, value in model_overrides(hf_cfg).items()]
-    cfg = load_config(config, [*implied, *overrides])
-    refuse_moe(cfg)
-    _check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
-    params = from_hf(tensors, cfg.model)
+    hf_cfg, tensors, fmt = _read_dir(hf_dir)
+    implied = fmt.model_overrides(hf_cfg)
+    cfg = load_config(config, [*(f"{key}={value}" for key, value in implied.items()), *overrides])
+    hf_llama.architecture(cfg.model)
+    fmt.check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
+    params = fmt.from_hf(tensors, cfg.model)
+    if cfg.model.vocab_size != N_VOCAB:
+        print(f"warning: {hf_dir} has a vocabulary of {cfg.model.vocab_size} tokens, not GPT-2's {N_VOCAB}: jaxgpt "
+              f"tokenizes with GPT-2's BPE only, so sample and train would feed it GPT-2 token ids",
+              file=sys.stderr, flush=True)
     mesh = _one_device_mesh()
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)
@@ -320,18 +361,19 @@ def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None, overrides
         finally:
             ckpt.close()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    return cfg
+    return cfg, list(implied)
 
 
 def _main(argv: Sequence[str] | None) -> None:
-    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2 export and import.")
+    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2 and Llama export and import.")
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 directory")
+    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 or Llama directory")
     ex.add_argument("run_dir", type=Path, help="a run dir or its checkpoints dir")
     ex.add_argument("out_dir", type=Path, help="gets the weights, config.json, generation_config.json and tokenizer")
-    check = commands.add_parser("check", help="load an HF GPT-2 directory and print its size")
+    check = commands.add_parser("check", help="load an HF GPT-2 or Llama directory and print its size")
     check.add_argument("hf_dir", type=Path)
-    imp = commands.add_parser("import", help="turn an HF GPT-2 directory into a jaxgpt run dir (a step-0 checkpoint)")
+    imp = commands.add_parser("import", help="turn an HF GPT-2 or Llama directory into a jaxgpt run dir "
+                                             "(a step-0 checkpoint)")
     imp.add_argument("hf_dir", type=Path, help="config.json + model.safetensors (save_pretrained or export)")
     imp.add_argument("run_dir", type=Path, help="a new run dir; gets checkpoints/0 and config.yaml")
     imp.add_argument("--config", help="a YAML file or bundled config for the non-model keys (default: shakespeare)")
@@ -344,18 +386,17 @@ def _main(argv: Sequence[str] | None) -> None:
         print(f"wrote {', '.join(EXPORT_FILES)} to {args.out_dir} from step {step}")
         return
     if args.command == "import":
-        cfg = import_dir(args.hf_dir, args.run_dir, args.config, [*args.overrides, *extra])
-        model_keys = " ".join(f"model.{k}={v}" for k, v in cfg.to_dict()["model"].items() if k in
-                              ("n_layer", "n_head", "n_embd", "seq_len", "vocab_size"))
+        cfg, implied = import_dir(args.hf_dir, args.run_dir, args.config, [*args.overrides, *extra])
+        model_keys = " ".join(f"model.{k}={v}" for k, v in cfg.to_dict()["model"].items() if f"model.{k}" in implied)
         print(f"wrote step 0 of {args.run_dir} from {args.hf_dir}; sample or export it as it is, or train it "
               f"with: python -m jaxgpt.train --run-dir {args.run_dir} {model_keys} ...")
         return
-    hf_cfg, tensors = _read_dir(args.hf_dir)
-    overrides = model_overrides(hf_cfg)
+    hf_cfg, tensors, fmt = _read_dir(args.hf_dir)
+    overrides = fmt.model_overrides(hf_cfg)
     m = ModelConfig(**{k.removeprefix("model."): v for k, v in overrides.items()})
-    _check_config(hf_cfg, m, args.hf_dir / CONFIG)
-    n = sum(x.size for x in to_hf(from_hf(tensors, m), m).values())
-    print(f"{args.hf_dir}: GPT-2 with {n:,} parameters; it loads as "
+    fmt.check_config(hf_cfg, m, args.hf_dir / CONFIG)
+    n = sum(x.size for x in fmt.to_hf(fmt.from_hf(tensors, m), m).values())
+    print(f"{args.hf_dir}: {fmt.name} with {n:,} parameters; it loads as "
           + " ".join(f"{k}={v}" for k, v in overrides.items()))
 
 

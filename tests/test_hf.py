@@ -20,6 +20,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.hf import (CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, export, from_hf, hf_config, load_dir,
                        restore_params, to_hf)
 from jaxgpt.model import GPT
+from jaxgpt.step import abstract_model
 from jaxgpt.train import train
 
 # Our fp32 forward (XLA:CPU, different summation order, rsqrt, tanh) against a float64 reference:
@@ -51,7 +52,7 @@ def _assert_same_but_padding(got: dict, want: dict, vocab_size: int) -> None:
     assert got.keys() == want.keys()
     for name in want:
         assert got[name].dtype == np.float32 and got[name].shape == want[name].shape, name
-        if name == "wte":
+        if name in ("wte", "lm_head"):
             np.testing.assert_array_equal(got[name][:vocab_size], want[name][:vocab_size])
             assert not got[name][vocab_size:].any(), "padding rows are imported as zeros"
         else:
@@ -245,3 +246,328 @@ def test_import_makes_a_run_that_samples_exports_and_trains(model, tmp_path, cap
 
     state = train(tiny_config("train.steps=1", mesh="dp=8"), run)  # resumes the imported step 0: full state
     assert int(state.step) == 1 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1]
+
+
+# --- Llama (jaxgpt/hf_llama.py) -------------------------------------------------------------------
+
+LLAMA = ["model.n_embd=64", "model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.mlp_hidden=96",
+         "model.rope_theta=500.0"]  # a theta other than the default, so a wrong one shows
+
+
+def _perturbed(cfg) -> tuple:
+    """(graphdef, random fp32 params: norm scales 1 + N(0, 0.1), everything else N(0, 0.1)), built without
+    running the initialisers (eager init of the [V, D] tables costs seconds on 2 cores)."""
+    graphdef, state = abstract_model(cfg)
+    rng = np.random.default_rng(1)
+    def draw(path, x):
+        return (("scale" in jax.tree_util.keystr(path)) + 0.1 * rng.standard_normal(x.shape)).astype(np.float32)
+
+    return graphdef, jax.tree.map_with_path(draw, nnx.to_pure_dict(state))
+
+
+@pytest.fixture(scope="module", params=["gqa-untied", "mha-tied-bias"])
+def llama(request):
+    """Llama 3's choices (4 query heads over 2 kv heads, untied head, no biases), and the other branches."""
+    extra = {"gqa-untied": ["model.n_kv_head=2", "model.tie_embeddings=false", "model.bias=false"],
+             "mha-tied-bias": ["model.bias=true"]}[request.param]
+    cfg = tiny_config(*LLAMA, *extra)
+    return cfg, *_perturbed(cfg)
+
+
+def test_llama_round_trip_is_exact(llama):
+    from jaxgpt import hf_llama
+
+    cfg, _, params = llama
+    m = cfg.model
+    tensors = hf_llama.to_hf(params, m)
+    assert tensors["model.layers.1.self_attn.k_proj.weight"].shape == (m.kv_heads * 16, 64)
+    assert tensors["model.layers.1.self_attn.o_proj.weight"].shape == (64, 64)
+    assert tensors["model.layers.1.mlp.down_proj.weight"].shape == (64, 96)
+    assert ("lm_head.weight" in tensors) == (not m.tie_embeddings)
+    assert len(tensors) == 2 + (not m.tie_embeddings) + (9 + 7 * m.bias) * m.n_layer
+    _assert_same_but_padding(hf_llama.from_hf(tensors, m), params, m.vocab_size)
+    # LlamaModel's names (no "model."), older exports' RoPE buffers, a tied head saved anyway
+    bare = {k.removeprefix("model."): v for k, v in tensors.items()} | {
+        "layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}
+    if m.tie_embeddings:
+        bare["lm_head.weight"] = bare["embed_tokens.weight"]
+    _assert_same_but_padding(hf_llama.from_hf(bare, m), params, m.vocab_size)
+
+
+def _rotate_half(x):
+    """transformers' Llama (modeling_llama.rotate_half): [x1, x2] -> [-x2, x1] over the head dim."""
+    x1, x2 = np.split(x, 2, axis=-1)
+    return np.concatenate([-x2, x1], axis=-1)
+
+
+def _rope_hf(x_BHTK, theta: float):
+    """transformers' default RoPE: cos/sin of t * theta^(-2i/K), repeated over both halves."""
+    T, K = x_BHTK.shape[-2:]
+    freqs_TF = np.arange(T)[:, None] * theta ** (-np.arange(0, K, 2) / K)
+    cos_TK, sin_TK = (f(np.concatenate([freqs_TF, freqs_TF], -1)) for f in (np.cos, np.sin))
+    return x_BHTK * cos_TK + _rotate_half(x_BHTK) * sin_TK
+
+
+def _rope_meta(x_BHTK, theta: float):
+    """Meta's original RoPE: adjacent pairs (2i, 2i+1) rotate by t * theta^(-2i/K)."""
+    T, K = x_BHTK.shape[-2:]
+    angle_TF = np.arange(T)[:, None] * theta ** (-np.arange(0, K, 2) / K)
+    pairs = x_BHTK.reshape(*x_BHTK.shape[:-1], K // 2, 2)
+    c, s = np.cos(angle_TF), np.sin(angle_TF)
+    rotated = np.stack([pairs[..., 0] * c - pairs[..., 1] * s, pairs[..., 1] * c + pairs[..., 0] * s], -1)
+    return rotated.reshape(x_BHTK.shape)
+
+
+def _meta_permute(w, n_heads: int):
+    """HF's convert_llama_weights_to_hf.permute: Meta's interleaved q/k rows -> rotate-half order."""
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _rms(x, w):
+    return x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w
+
+
+def _hf_llama_logits(t: dict[str, np.ndarray], c: dict, tokens_BT: np.ndarray, rope=_rope_hf) -> np.ndarray:
+    """Llama's forward pass (transformers' LlamaForCausalLM) from HF's tensors and config.json alone, in float64."""
+    t = {k.removeprefix("model."): v.astype(np.float64) for k, v in t.items()}
+    B, T = tokens_BT.shape
+    H, G, K, theta = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope_theta"]
+    future_TT = np.triu(np.ones((T, T), bool), 1)
+
+    def lin(x, p, name):
+        return x @ p[f"{name}.weight"].T + p.get(f"{name}.bias", 0)
+
+    x_BTD = t["embed_tokens.weight"][tokens_BT]
+    for i in range(c["num_hidden_layers"]):
+        p = {k.removeprefix(f"layers.{i}."): v for k, v in t.items() if k.startswith(f"layers.{i}.")}
+        a_BTD = _rms(x_BTD, p["input_layernorm.weight"])
+        q_BHTK, k_BGTK, v_BGTK = (lin(a_BTD, p, f"self_attn.{n}_proj").reshape(B, T, -1, K).transpose(0, 2, 1, 3)
+                                  for n in "qkv")
+        q_BHTK, k_BGTK = rope(q_BHTK, theta), rope(k_BGTK, theta)
+        k_BHTK, v_BHTK = (np.repeat(z, H // G, axis=1) for z in (k_BGTK, v_BGTK))  # transformers' repeat_kv
+        s_BHTT = np.where(future_TT, -np.inf, q_BHTK @ k_BHTK.transpose(0, 1, 3, 2) / np.sqrt(K))
+        w_BHTT = np.exp(s_BHTT - s_BHTT.max(-1, keepdims=True))
+        w_BHTT /= w_BHTT.sum(-1, keepdims=True)
+        x_BTD = x_BTD + lin((w_BHTT @ v_BHTK).transpose(0, 2, 1, 3).reshape(B, T, H * K), p, "self_attn.o_proj")
+        m_BTD = _rms(x_BTD, p["post_attention_layernorm.weight"])
+        gate_BTF = lin(m_BTD, p, "mlp.gate_proj")
+        x_BTD = x_BTD + lin(gate_BTF / (1 + np.exp(-gate_BTF)) * lin(m_BTD, p, "mlp.up_proj"), p, "mlp.down_proj")
+    head_VD = t.get("lm_head.weight", t["embed_tokens.weight"])
+    return _rms(x_BTD, t["norm.weight"]) @ head_VD.T
+
+
+def test_llama_export_is_transformers_llama_and_rope_is_rotate_half(llama):
+    """The exported tensors run through an independent NumPy LlamaForCausalLM (rotate-half RoPE) give
+    our logits; with the q/k rows in Meta's order, or Meta's adjacent-pair RoPE, they do not."""
+    from jaxgpt import hf_llama
+
+    cfg, graphdef, params = llama
+    m = cfg.model
+    tensors, c = hf_llama.to_hf(params, m), hf_llama.hf_config(m)
+    tokens_BT = _tokens(cfg)
+    ours_BTV = np.asarray(nnx.merge(graphdef, params)(tokens_BT))[..., : m.vocab_size]
+    ref_BTV = _hf_llama_logits(tensors, c, tokens_BT)
+    assert ref_BTV.std() > 0.3  # the perturbed model's logits are far from constant
+    np.testing.assert_allclose(ours_BTV, ref_BTV, rtol=0, atol=ATOL)
+    # The convention matters: either mistake moves the logits by far more than the tolerance.
+    meta_rows = dict(tensors)
+    for i in range(m.n_layer):
+        for name, heads in (("q", m.n_head), ("k", m.kv_heads)):
+            key = f"model.layers.{i}.self_attn.{name}_proj.weight"
+            meta_rows[key] = _meta_permute(tensors[key], heads)
+    assert np.abs(_hf_llama_logits(meta_rows, c, tokens_BT) - ours_BTV).max() > 100 * ATOL
+    assert np.abs(_hf_llama_logits(tensors, c, tokens_BT, rope=_rope_meta) - ours_BTV).max() > 100 * ATOL
+
+
+def test_llama_attention_scores_use_rotate_half(llama):
+    """One layer's q.k scores: attention.rope on our kernels == transformers' rotate-half RoPE on
+    the exported q_proj/k_proj rows (!= Meta's adjacent-pair RoPE on them)."""
+    from jaxgpt import hf_llama
+    from jaxgpt.attention import rope
+
+    cfg, _, params = llama
+    m = cfg.model
+    H, G, K, theta = m.n_head, m.kv_heads, m.head_dim, m.rope_theta
+    x_TD = np.random.default_rng(2).normal(size=(m.seq_len, m.n_embd))
+    attn = params["blocks"]["attn"]
+    q_DHK, k_DGK = ((attn["c_attn_kernel"][0, :, 0], attn["c_attn_kernel"][0, :, 1]) if G == H
+                    else (attn["q_kernel"][0], attn["kv_kernel"][0, :, 0]))
+    q_1THK, k_1TGK = (rope(np.einsum("td,dhk->thk", x_TD, w)[None].astype(np.float32), 0, theta)
+                      for w in (q_DHK, k_DGK))
+    ours_HTT = np.einsum("thk,shk->hts", q_1THK[0], np.repeat(k_1TGK[0], H // G, axis=1))
+    t = hf_llama.to_hf(params, m)
+    q_HTK, k_GTK = ((x_TD @ t[f"model.layers.0.self_attn.{n}_proj.weight"].astype(np.float64).T)
+                    .reshape(m.seq_len, -1, K).transpose(1, 0, 2) for n in "qk")
+    for rope_fn, same in ((_rope_hf, True), (_rope_meta, False)):
+        theirs_HTT = rope_fn(q_HTK, theta) @ np.repeat(rope_fn(k_GTK, theta), H // G, axis=0).transpose(0, 2, 1)
+        assert np.allclose(ours_HTT, theirs_HTT, rtol=0, atol=1e-3 * np.abs(theirs_HTT).max()) == same, rope_fn
+
+
+LLAMA_3 = [*LLAMA, "model.n_kv_head=2", "model.tie_embeddings=false", "model.bias=false"]
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """An HF Llama directory (weights + config.json), `hf import`ed as a run, exported back."""
+    from jaxgpt import hf, hf_llama
+
+    cfg = tiny_config(*LLAMA_3)
+    graphdef, params = _perturbed(cfg)
+    tmp = tmp_path_factory.mktemp("llama")
+    (tmp / "source").mkdir()
+    save_file(hf_llama.to_hf(params, cfg.model), tmp / "source" / WEIGHTS)
+    (tmp / "source" / CONFIG).write_text(json.dumps(hf_llama.hf_config(cfg.model)))
+    assert hf.main(["import", str(tmp / "source"), str(tmp / "run"), "model.loss_chunk=8"]) == 0
+    assert export(tmp / "run", tmp / "out") == 0
+    return cfg, graphdef, params, tmp
+
+
+def test_llama_import_then_export_is_exact(llama_dirs, capsys):
+    from safetensors.numpy import load_file
+
+    from jaxgpt import hf
+
+    cfg, _, params, tmp = llama_dirs
+    restored, run_cfg, step = restore_params(tmp / "run")
+    assert step == 0 and run_cfg.model == cfg.model  # config.json implies every architecture key
+    _assert_same_but_padding(jax.device_get(restored), params, cfg.model.vocab_size)
+    _assert_same_but_padding(load_dir(tmp / "out", cfg.model), params, cfg.model.vocab_size)
+    assert sorted(p.name for p in (tmp / "out").iterdir()) == sorted(EXPORT_FILES)
+    source_config = json.loads((tmp / "source" / CONFIG).read_text())
+    assert (tmp / "out" / CONFIG).read_text() == json.dumps(source_config, indent=2) + "\n"
+    back, original = load_file(tmp / "out" / WEIGHTS), load_file(tmp / "source" / WEIGHTS)
+    assert back.keys() == original.keys() and all(np.array_equal(back[k], original[k]) for k in original)
+    capsys.readouterr()
+    assert hf.main(["check", str(tmp / "out")]) == 0
+    # embedding + head 2 x 50257 x 64, per layer 2 norms, q and o 64 x 64, k and v 32 x 64, 3 x 64 x 96; final norm
+    assert capsys.readouterr().out.endswith(
+        "Llama with 6,494,656 parameters; it loads as model.n_layer=2 model.n_head=4 model.n_embd=64 "
+        "model.mlp_hidden=96 model.seq_len=32 model.vocab_size=50257 model.n_kv_head=2 model.rope_theta=500.0 "
+        "model.tie_embeddings=False "
+        "model.bias=False model.norm=rmsnorm model.norm_scale=True model.position=rope model.mlp=swiglu "
+        "model.qk_norm=False model.logit_softcap=0.0\n")
+
+
+def test_transformers_llama_gives_our_logits_and_greedy_text(llama_dirs, capsys):
+    """LlamaForCausalLM + AutoTokenizer on the export: logits to 1e-5 (fp32) and `generate`'s greedy
+    text == `python -m jaxgpt.sample --temperature 0` on the run (scripts/hf_greedy_check.py, automated)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxgpt import sample
+
+    cfg, graphdef, params, tmp = llama_dirs
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp / "out", dtype=torch.float32).eval()
+    assert type(hf_model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    tokens_BT = _tokens(cfg)
+    with torch.no_grad():
+        theirs_BTV = hf_model(torch.as_tensor(tokens_BT)).logits.numpy()
+    ours_BTV = np.asarray(nnx.merge(graphdef, params)(tokens_BT))[..., : cfg.model.vocab_size]
+    np.testing.assert_allclose(ours_BTV, theirs_BTV, rtol=0, atol=1e-5)
+
+    capsys.readouterr()
+    assert sample.main([str(tmp / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "16", "--temperature", "0"]) == 0
+    ours = capsys.readouterr().out.removesuffix("\n")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp / "out")
+    ids = tokenizer("ROMEO:", return_tensors="pt").input_ids
+    with torch.no_grad():
+        generated = hf_model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert generated.shape[1] == ids.shape[1] + 16  # no <|endoftext|> on the way: all 16 tokens compared
+    assert tokenizer.decode(generated[0]) == ours
+
+
+NANOCHAT = ["model.norm=rmsnorm", "model.norm_scale=false", "model.position=rope", "model.mlp=relu2",
+            "model.bias=false"]
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ([], "gpt2"), (LLAMA_3, "llama"), ([*LLAMA, "model.bias=true"], "llama"),
+    (NANOCHAT, "no Hugging Face class holds this model: LlamaForCausalLM cannot, for model.norm_scale=False "
+               "(Llama's RMSNorms have a learned scale), model.mlp=relu2 (Llama's MLP is SwiGLU); nor can "
+               "GPT2LMHeadModel, for model.norm=rmsnorm, model.norm_scale=False, model.position=rope, model.mlp=relu2, "
+               "model.bias=False"),
+    (["model.norm=rmsnorm", "model.mlp=swiglu"], "LlamaForCausalLM cannot, for model.position=learned (Llama has "
+                                                 "rotary positions, no position table); nor can GPT2LMHeadModel"),
+    (["model.position=rope"], "cannot, for model.norm=layernorm (Llama's norms are RMSNorm), model.mlp=gelu "
+                              "(Llama's MLP is SwiGLU); nor can GPT2LMHeadModel, for model.position=rope"),
+    ([*LLAMA, "model.qk_norm=true"], "cannot, for model.qk_norm=True (Llama has no QK-norm);"),
+    ([*LLAMA, "model.logit_softcap=30"], "cannot, for model.logit_softcap=30.0 (Llama does not cap its logits);"),
+    ([*LLAMA, "model.moe_experts=4"], "Hugging Face GPT-2 and Llama have no experts"),
+])
+def test_llama_architecture_or_one_line_refusal(overrides, line):
+    from jaxgpt.hf_llama import architecture
+
+    m = tiny_config(*overrides).model
+    if line in ("gpt2", "llama"):
+        assert architecture(m) == line
+        return
+    with pytest.raises(UserError) as e:
+        architecture(m)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_llama_export_refuses_a_nanochat_model_in_one_line(tmp_path, capsys):
+    """A relu2, parameter-free-norm run: `python -m jaxgpt.hf export` says why in one line, writes nothing."""
+    from jaxgpt import hf
+    from jaxgpt.checkpoint import Checkpointer
+    from jaxgpt.mesh import make_mesh
+    from jaxgpt.step import abstract_state, make_setup
+
+    cfg = tiny_config(*NANOCHAT)
+    mesh = make_mesh({}, jax.devices()[:1])
+    with jax.set_mesh(mesh):  # a checkpoint of zeros: export refuses it from its config alone
+        state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
+                             abstract_state(cfg, make_setup(cfg, mesh)))
+        ckpt = Checkpointer(tmp_path / "run" / "checkpoints", cfg.checkpoint)
+        ckpt.save(0, state, hf._fresh_data_state(), cfg)
+        ckpt.wait()
+        ckpt.close()
+    capsys.readouterr()
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        "error: no Hugging Face class holds this model: LlamaForCausalLM cannot, for model.norm_scale=False (Llama's "
+        "RMSNorms have a learned scale), model.mlp=relu2 (Llama's MLP is SwiGLU); nor can GPT2LMHeadModel, for "
+        "model.norm=rmsnorm, model.norm_scale=False, model.position=rope, model.mlp=relu2, model.bias=False\n")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_llama_config_json_both_spellings_and_one_line_mismatches(llama_dirs, tmp_path):
+    """transformers 4's rope_theta and 5's rope_parameters read alike; what jaxgpt's Llama cannot be is named."""
+    import shutil
+
+    from jaxgpt.hf_llama import model_overrides
+
+    cfg, _, params, tmp = llama_dirs
+    source = json.loads((tmp / "source" / CONFIG).read_text())
+    v4 = {k: v for k, v in source.items() if k != "rope_parameters"}
+    v5 = {k: v for k, v in source.items() if k != "rope_theta"}
+    assert model_overrides(v4) == model_overrides(v5) and model_overrides(v5)["model.rope_theta"] == 500.0
+    shutil.copy(tmp / "source" / WEIGHTS, tmp_path / WEIGHTS)
+    cases = [
+        ({"rms_norm_eps": 1e-6}, cfg, "rms_norm_eps=1e-06 is not supported (jaxgpt's Llama has 1e-05)"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0}, "rope_parameters": None}, cfg,
+         "rope_type='llama3' is not supported (jaxgpt's Llama has 'default')"),
+        ({"mlp_bias": True}, cfg, "mlp_bias=True is not supported (jaxgpt's Llama has False, as attention_bias"),
+        ({"hidden_act": "gelu"}, cfg, "hidden_act='gelu' is not supported"),
+        ({}, tiny_config(*LLAMA_3, "model.n_layer=3", "model.rope_theta=10000"),
+         "does not match the model config (model.n_layer=3 vs 2 there, model.rope_theta=10000.0 vs 500.0 there); "
+         "override with model.n_layer=2 model.rope_theta=500.0"),
+        ({}, tiny_config(*LLAMA_3, "model.seq_len=64"), "model.seq_len=64 vs 32 there"),
+        ({"model_type": "mistral"}, cfg, "describes a 'mistral' model; jaxgpt reads GPT-2 and Llama"),
+    ]
+    for change, case_cfg, message in cases:
+        (tmp_path / CONFIG).write_text(json.dumps(source | change))
+        with pytest.raises(UserError) as e:
+            load_dir(tmp_path, case_cfg.model)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    (tmp_path / CONFIG).write_text(json.dumps(source))
+    _assert_same_but_padding(load_dir(tmp_path, tiny_config(*LLAMA_3, "model.seq_len=16").model), params,
+                             cfg.model.vocab_size)  # a shorter context is the same model
+    # a GPT-2 directory into a Llama config, and the other way round
+    gpt2_cfg = tiny_config()
+    gpt2_params = _perturbed(gpt2_cfg)[1]
+    (tmp_path / CONFIG).write_text(json.dumps(hf_config(gpt2_cfg.model)))
+    save_file(to_hf(gpt2_params, gpt2_cfg.model), tmp_path / WEIGHTS)
+    with pytest.raises(UserError, match="a GPT-2 but the model config sets model.norm=rmsnorm, model.position"):
+        load_dir(tmp_path, cfg.model)
+    with pytest.raises(UserError, match=r"model.norm=layernorm vs rmsnorm there"):
+        load_dir(tmp / "source", gpt2_cfg.model)

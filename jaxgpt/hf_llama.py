@@ -1,0 +1,280 @@
+"""Hugging Face Llama interop: the modern decoder as transformers' `LlamaForCausalLM` (for hf.py).
+
+Which models. A jaxgpt model is Llama-shaped when model.norm=rmsnorm with a learned scale,
+model.position=rope and model.mlp=swiglu, without QK-norm or logit soft-capping; n_kv_head
+(num_key_value_heads: grouped-query attention), mlp_hidden (intermediate_size), rope_theta,
+tie_embeddings (tie_word_embeddings) and bias (attention_bias = mlp_bias: biases on q, k, v, o and
+gate, up, down; RMSNorm has none either way) are free. `architecture` picks GPT-2 or Llama for a
+model config and refuses in one line what neither class holds (parameter-free norms, relu2 or
+GELU with RoPE, learned positions with RMSNorm, QK-norm, soft-capped logits, experts).
+
+Layout. torch's `nn.Linear` keeps its weight as [out, in]; ours are [in, out] with heads as axes,
+so each HF tensor is one layer's slice reshaped to [in, out] and transposed:
+
+    ours (blocks stacked on L)                HF (per layer i, under "model.layers.i.")
+    wte                       [Vp, D]         model.embed_tokens.weight        [V, D]  first V rows
+    lm_head (untied only)     [Vp, D]         lm_head.weight                   [V, D]  absent when tied
+    ln_f.scale                [D]             model.norm.weight                [D]
+    blocks.ln_1.scale         [L, D]          input_layernorm.weight           [D]
+    blocks.ln_2.scale         [L, D]          post_attention_layernorm.weight  [D]
+    blocks.attn.c_attn_kernel [L, D, 3, H, K] self_attn.{q,k,v}_proj.weight    [H*K, D]  (G = H)
+    blocks.attn.q_kernel      [L, D, H, K]    self_attn.q_proj.weight          [H*K, D]  (G < H)
+    blocks.attn.kv_kernel     [L, D, 2, G, K] self_attn.{k,v}_proj.weight      [G*K, D]  (G < H)
+    blocks.attn.c_proj_kernel [L, H, K, D]    self_attn.o_proj.weight          [D, H*K]
+    blocks.mlp.c_gate_kernel  [L, D, F]       mlp.gate_proj.weight             [F, D]
+    blocks.mlp.c_fc_kernel    [L, D, F]       mlp.up_proj.weight               [F, D]
+    blocks.mlp.c_proj_kernel  [L, F, D]       mlp.down_proj.weight             [D, F]
+    *_bias (model.bias=true)  likewise        *.bias                           [out]
+
+RoPE convention. transformers' Llama rotates the feature pairs (i, i + K/2) of each head
+(`rotate_half`: [x1, x2] -> [-x2, x1], cos and sin repeated over both halves). Meta's original
+checkpoints rotate adjacent pairs (2i, 2i + 1), which is why HF's convert_llama_weights_to_hf.py
+permutes the rows of q_proj and k_proj. jaxgpt's `attention.rope` rotates (i, i + K/2) with the
+same frequencies theta^(-2i/K), so q and k rows cross over in order, unpermuted. tests/test_hf.py
+holds this to an independent NumPy rotate-half RoPE and checks that Meta's permutation breaks the
+logits, so a swapped convention cannot pass.
+
+The rest agrees as well: RMSNorm in fp32 with eps 1e-5 (jaxgpt's; config.json says so, and import
+refuses another rms_norm_eps), attention scaled by 1/sqrt(K), silu(gate) * up. Not held, refused
+on import with the key named: rope scaling (Llama 3.1+'s `llama3`, linear, dynamic: jaxgpt's RoPE
+has no frequency scaling), a head_dim other than hidden_size / num_attention_heads, another
+hidden_act. config.json carries rope_theta twice: as `rope_theta` (transformers 4) and in
+transformers 5's `rope_parameters`. The tokenizer is GPT-2's (jaxgpt has no other): the export
+writes GPT-2's files with bos = eos = <|endoftext|>, and an import of another vocabulary (Llama
+3's 128256 tokens) says that jaxgpt will feed it GPT-2's token ids.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxgpt import files
+from jaxgpt.config import ModelConfig
+from jaxgpt.errors import UserError
+
+ARCHITECTURE = "LlamaForCausalLM"
+EPS = 1e-5  # jaxgpt's norms (model.Norm)
+EOT = 50256  # GPT-2's <|endoftext|>: bos and eos, as jaxgpt has no other tokenizer
+
+# model.* key -> (Llama's value, why Llama cannot hold another)
+_LLAMA = {"norm": ("rmsnorm", "Llama's norms are RMSNorm"),
+          "norm_scale": (True, "Llama's RMSNorms have a learned scale"),
+          "position": ("rope", "Llama has rotary positions, no position table"),
+          "mlp": ("swiglu", "Llama's MLP is SwiGLU"),
+          "qk_norm": (False, "Llama has no QK-norm"),
+          "logit_softcap": (0.0, "Llama does not cap its logits")}
+
+
+def architecture(m: ModelConfig) -> str:
+    """'gpt2' or 'llama': the transformers class that holds this model; one-line UserError if none does."""
+    if m.moe_experts:
+        raise UserError(f"this is a Mixture-of-Experts model (model.moe_experts={m.moe_experts}); Hugging Face "
+                        f"GPT-2 and Llama have no experts, so only dense models (moe_experts=0) convert")
+    if not m.beyond_gpt2():
+        return "gpt2"
+    blockers = [f"model.{k}={getattr(m, k)} ({why})" for k, (v, why) in _LLAMA.items() if getattr(m, k) != v]
+    if blockers:
+        raise UserError(f"no Hugging Face class holds this model: LlamaForCausalLM cannot, for "
+                        f"{', '.join(blockers)}; nor can GPT2LMHeadModel, for {', '.join(m.beyond_gpt2())}")
+    return "llama"
+
+
+def _linear(w_L_in_out: np.ndarray, n_in: int) -> np.ndarray:
+    """Our [L, in..., out...] kernel -> torch's [L, out, in]."""
+    return w_L_in_out.reshape(w_L_in_out.shape[0], n_in, -1).swapaxes(1, 2)
+
+
+def _layer_tensors(blocks: dict, m: ModelConfig) -> dict[str, np.ndarray]:
+    """Our stacked blocks -> {name under model.layers.i: [L, ...HF shape]}."""
+    a, f, D, F, H, K = blocks["attn"], blocks["mlp"], m.n_embd, m.mlp_width, m.n_head, m.head_dim
+    L = m.n_layer
+    if m.kv_heads == m.n_head:
+        q, k, v = (a["c_attn_kernel"][:, :, i] for i in range(3))
+        qb, kb, vb = (a["c_attn_bias"][:, i] for i in range(3)) if m.bias else (None,) * 3
+    else:
+        q, k, v = a["q_kernel"], a["kv_kernel"][:, :, 0], a["kv_kernel"][:, :, 1]
+        qb, kb, vb = (a["q_bias"], a["kv_bias"][:, 0], a["kv_bias"][:, 1]) if m.bias else (None,) * 3
+    out = {"input_layernorm.weight": blocks["ln_1"]["scale"],
+           "post_attention_layernorm.weight": blocks["ln_2"]["scale"],
+           "self_attn.q_proj.weight": _linear(q, D), "self_attn.k_proj.weight": _linear(k, D),
+           "self_attn.v_proj.weight": _linear(v, D), "self_attn.o_proj.weight": _linear(a["c_proj_kernel"], H * K),
+           "mlp.gate_proj.weight": _linear(f["c_gate_kernel"], D), "mlp.up_proj.weight": _linear(f["c_fc_kernel"], D),
+           "mlp.down_proj.weight": _linear(f["c_proj_kernel"], F)}
+    if m.bias:
+        out |= {"self_attn.q_proj.bias": qb.reshape(L, -1), "self_attn.k_proj.bias": kb.reshape(L, -1),
+                "self_attn.v_proj.bias": vb.reshape(L, -1), "self_attn.o_proj.bias": a["c_proj_bias"],
+                "mlp.gate_proj.bias": f["c_gate_bias"], "mlp.up_proj.bias": f["c_fc_bias"],
+                "mlp.down_proj.bias": f["c_proj_bias"]}
+    return out
+
+
+def _layer_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """{name under model.layers.i: its HF shape}."""
+    D, F, H, G, K = m.n_embd, m.mlp_width, m.n_head, m.kv_heads, m.head_dim
+    shapes = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+              "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
+              "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
+              "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    if m.bias:
+        shapes |= {"self_attn.q_proj.bias": (H * K,), "self_attn.k_proj.bias": (G * K,),
+                   "self_attn.v_proj.bias": (G * K,), "self_attn.o_proj.bias": (D,),
+                   "mlp.gate_proj.bias": (F,), "mlp.up_proj.bias": (F,), "mlp.down_proj.bias": (D,)}
+    return shapes
+
+
+def to_hf(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Our nested params -> {HF LlamaForCausalLM name: fp32 array}, vocabulary padding removed."""
+    m = model_cfg
+    f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
+    blocks = {group: {key: np.asarray(x, np.float32) for key, x in sub.items()}
+              for group, sub in params["blocks"].items()}
+    out = {"model.embed_tokens.weight": f32(np.asarray(params["wte"])[: m.vocab_size]),
+           "model.norm.weight": f32(params["ln_f"]["scale"])}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = f32(np.asarray(params["lm_head"])[: m.vocab_size])
+    for name, stacked in _layer_tensors(blocks, m).items():
+        for i in range(m.n_layer):
+            out[f"model.layers.{i}.{name}"] = f32(stacked[i])
+    return out
+
+
+def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
+    """{HF name: array} (LlamaForCausalLM's, or LlamaModel's without "model.") -> our nested params (fp32)."""
+    m = model_cfg
+    D, H, G, K, pad = m.n_embd, m.n_head, m.kv_heads, m.head_dim, m.padded_vocab - m.vocab_size
+    # older exports also saved each layer's RoPE frequencies (a buffer, computed from rope_theta)
+    t = {k.removeprefix("model."): v for k, v in tensors.items()
+         if not re.fullmatch(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", k)}
+    layers = sorted({int(k.split(".")[1]) for k in t if re.match(r"layers\.\d+\.", k)})
+    if len(layers) != m.n_layer:
+        raise UserError(f"the weights hold {len(layers)} layers but model.n_layer={m.n_layer}; "
+                        f"set model.n_layer={len(layers)}")
+
+    def take(name: str, shape: tuple[int, ...], hint: str = "") -> np.ndarray:
+        if name not in t:
+            raise UserError(f"tensor {name} is missing from the weights")
+        x = t.pop(name)
+        if tuple(x.shape) != shape:
+            raise UserError(f"tensor {name} has shape {tuple(x.shape)} but the model config needs {shape}{hint}")
+        return np.asarray(x, np.float32)
+
+    def vocab(x_VD: np.ndarray) -> np.ndarray:
+        return np.concatenate([x_VD, np.zeros((pad, D), np.float32)])
+
+    wte = t.get("embed_tokens.weight")
+    hint = "" if wte is None or wte.ndim != 2 else f" (set model.vocab_size={wte.shape[0]} model.n_embd={wte.shape[1]})"
+    wte_VD = take("embed_tokens.weight", (m.vocab_size, D), hint)
+    params: dict[str, Any] = {"wte": vocab(wte_VD), "ln_f": {"scale": take("norm.weight", (D,))}}
+    head = t.pop("lm_head.weight", None)
+    if m.tie_embeddings:
+        if head is not None and not np.array_equal(np.asarray(head, np.float32), wte_VD):
+            raise UserError("lm_head.weight differs from embed_tokens.weight but model.tie_embeddings=true; "
+                            "set model.tie_embeddings=false")
+    else:
+        if head is None:
+            raise UserError("tensor lm_head.weight is missing but model.tie_embeddings=false; "
+                            "set model.tie_embeddings=true")
+        t["lm_head.weight"] = head
+        params["lm_head"] = vocab(take("lm_head.weight", (m.vocab_size, D)))
+    hf = {name: np.stack([take(f"layers.{i}.{name}", shape) for i in range(m.n_layer)])
+          for name, shape in _layer_shapes(m).items()}
+    if t:
+        raise UserError(f"unexpected tensors in the weights: {', '.join(sorted(t)[:5])}"
+                        + (f" and {len(t) - 5} more" if len(t) > 5 else ""))
+
+    def ours(name: str, *shape: int) -> np.ndarray:  # torch's [L, out, in] -> our [L, in, *shape]
+        x = hf[f"{name}.weight"].swapaxes(1, 2)
+        return x.reshape(m.n_layer, x.shape[1], *(shape or (-1,)))
+
+    L = m.n_layer
+    attn: dict[str, np.ndarray] = {"c_proj_kernel": hf["self_attn.o_proj.weight"].swapaxes(1, 2).reshape(L, H, K, D)}
+    q, k, v = ours("self_attn.q_proj", H, K), ours("self_attn.k_proj", G, K), ours("self_attn.v_proj", G, K)
+    bias = {n: hf[f"self_attn.{n}_proj.bias"] for n in "qkv"} if m.bias else {}
+    if G == H:
+        attn["c_attn_kernel"] = np.stack([q, k, v], axis=2)
+        if m.bias:
+            attn["c_attn_bias"] = np.stack([bias[n].reshape(L, H, K) for n in "qkv"], axis=1)
+    else:
+        attn |= {"q_kernel": q, "kv_kernel": np.stack([k, v], axis=2)}
+        if m.bias:
+            attn |= {"q_bias": bias["q"].reshape(L, H, K),
+                     "kv_bias": np.stack([bias[n].reshape(L, G, K) for n in "kv"], axis=1)}
+    mlp = {"c_gate_kernel": ours("mlp.gate_proj"), "c_fc_kernel": ours("mlp.up_proj"),
+           "c_proj_kernel": ours("mlp.down_proj")}
+    if m.bias:
+        attn["c_proj_bias"] = hf["self_attn.o_proj.bias"]
+        mlp |= {"c_gate_bias": hf["mlp.gate_proj.bias"], "c_fc_bias": hf["mlp.up_proj.bias"],
+                "c_proj_bias": hf["mlp.down_proj.bias"]}
+    params["blocks"] = {"ln_1": {"scale": hf["input_layernorm.weight"]},
+                        "ln_2": {"scale": hf["post_attention_layernorm.weight"]}, "attn": attn, "mlp": mlp}
+    return params
+
+
+def hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
+    """A config.json that transformers.LlamaConfig (4.x and 5.x) reads as this model."""
+    m = model_cfg
+    return {"architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": m.vocab_size,
+            "hidden_size": m.n_embd, "intermediate_size": m.mlp_width, "num_hidden_layers": m.n_layer,
+            "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
+            "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": EPS,
+            "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+            "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": 0.0,
+            "tie_word_embeddings": m.tie_embeddings, "bos_token_id": EOT, "eos_token_id": EOT, "dtype": "float32"}
+
+
+# config.json key -> (our key, LlamaConfig's default)
+_SIZES = {"num_hidden_layers": ("model.n_layer", 32), "num_attention_heads": ("model.n_head", 32),
+          "hidden_size": ("model.n_embd", 4096), "intermediate_size": ("model.mlp_hidden", 11008),
+          "max_position_embeddings": ("model.seq_len", 2048), "vocab_size": ("model.vocab_size", 32000)}
+# The config.json keys we read, with their JSON types (LlamaConfig's own).
+CONFIG_SHAPE = {"model_type": str, "hidden_act": str, "rms_norm_eps": files.NUMBER, "head_dim": (int, type(None)),
+                "num_key_value_heads": (int, type(None)), "rope_theta": files.NUMBER,
+                "rope_parameters": (dict, type(None)), "rope_scaling": (dict, type(None)), "attention_bias": bool,
+                "mlp_bias": bool, "tie_word_embeddings": bool} | {key: int for key in _SIZES}
+
+
+def _rope(hf_cfg: dict[str, Any]) -> tuple[float, str]:
+    """(rope_theta, rope type) from transformers 5's rope_parameters or 4's rope_theta + rope_scaling."""
+    params = hf_cfg.get("rope_parameters") or {}
+    scaling = hf_cfg.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf_cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    return theta, kind
+
+
+def model_overrides(hf_cfg: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> the model.* keys it implies, the architecture keys included."""
+    sizes = {ours: hf_cfg.get(key, default) for key, (ours, default) in _SIZES.items()}
+    kv = hf_cfg.get("num_key_value_heads") or sizes["model.n_head"]
+    return sizes | {"model.n_kv_head": kv, "model.rope_theta": _rope(hf_cfg)[0],
+                    "model.tie_embeddings": hf_cfg.get("tie_word_embeddings", False),
+                    "model.bias": hf_cfg.get("attention_bias", False)} | {
+        f"model.{k}": v for k, (v, _) in _LLAMA.items()}
+
+
+def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
+    """UserError (one line) unless config.json describes exactly the Llama that `m` is."""
+    theta, kind = _rope(hf_cfg)
+    D, H = hf_cfg.get("hidden_size", 4096), hf_cfg.get("num_attention_heads", 32)
+    fixed = [("hidden_act", hf_cfg.get("hidden_act", "silu"), "silu"),
+             ("rms_norm_eps", hf_cfg.get("rms_norm_eps", 1e-6), EPS), ("rope_type", kind, "default"),
+             ("head_dim", hf_cfg.get("head_dim") or D // H, D // H),
+             ("mlp_bias", hf_cfg.get("mlp_bias", False), hf_cfg.get("attention_bias", False))]
+    for key, have, want in fixed:
+        if have != want:
+            raise UserError(f"{source}: {key}={have!r} is not supported (jaxgpt's Llama has {want!r}"
+                            + (", as attention_bias: one model.bias for both)" if key == "mlp_bias" else ")"))
+    wrong = []
+    for key, want in model_overrides(hf_cfg).items():
+        have = getattr(m, key.removeprefix("model."))
+        have = m.kv_heads if key == "model.n_kv_head" else m.mlp_width if key == "model.mlp_hidden" else have
+        if (want < have) if key == "model.seq_len" else (want != have):  # a shorter context is the same model
+            wrong.append((key, want, have))
+    if wrong:
+        raise UserError(f"{source} does not match the model config ("
+                        + ", ".join(f"{key}={have} vs {want} there" for key, want, have in wrong)
+                        + "); override with " + " ".join(f"{key}={want}" for key, want, _ in wrong))
