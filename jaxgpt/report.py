@@ -3,7 +3,9 @@
 `train()` writes the report itself at the end of a run (completed, preempted or diverged); this
 command regenerates it, for example for a run that was killed. It reads three files:
 
-    metrics.jsonl  train lines (loss, tokens_per_sec, mfu) and eval lines (val_loss)
+    metrics.jsonl  train lines (loss, tokens_per_sec, mfu) and eval lines (val_loss, val_bpb, and
+                   task/NAME/acc, task/NAME/acc_norm with eval.tasks: a table and tasks.png, the
+                   accuracies against training tokens = step x batch_size x seq_len)
     events.jsonl   one `start` per session with the hardware and layout it ran on, `resume`,
                    `preempted`, `diverged` and `end` (see jaxgpt.tracking), and `restart` when
                    `launch_multihost.sh --max-restarts` started the group again after a failure
@@ -50,7 +52,7 @@ MAX_SLOW_LISTED = 20
 
 # metrics.jsonl: every line has an int step; the values, where present, are numbers or null (non-finite).
 METRIC_FIELDS = {key: (*files.NUMBER, type(None)) for key in
-                 ("loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mfu")}
+                 ("loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_sec", "mfu")}
 
 
 def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
@@ -59,6 +61,9 @@ def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     metrics = (files.read_jsonl(path, "metrics file", required={"step": int}, optional=METRIC_FIELDS)
                if path.exists() else [])
+    for row in metrics:  # task/NAME/acc and task/NAME/acc_norm: numbers too
+        files.check_shape(row, f"metrics file {path}: step {row['step']}",
+                          optional={k: (*files.NUMBER, type(None)) for k in row if k.startswith("task/")})
     events = read_events(run_dir)
     if not metrics and not any(e["event"] == "start" for e in events):
         raise UserError(f"{run_dir} has no metrics in metrics.jsonl; is it a jaxgpt run dir that has trained?")
@@ -225,12 +230,63 @@ def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) ->
              ("wall time", _wall_time(events)),
              ("final train loss", f"{train[-1]['loss']:.4f} (step {train[-1]['step']})" if train else "none logged"),
              ("final val loss", f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "none logged")]
+    bpb = [r for r in evals if r.get("val_bpb") is not None]
+    if bpb:
+        rows.append(("final val bits per byte", f"{bpb[-1]['val_bpb']:.4f} (step {bpb[-1]['step']})"))
     out = [f"# Run report: {run_dir.resolve().name}", "", f"`{run_dir.resolve()}`", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
     out += ["", "## Throughput", ""] + _throughput(train, _get(cfg, "logging", "every", "unknown"))
     out += ["", "## Restarts, preemptions, divergence", ""] + _history(events)
     out += ["", "## Loss", "", "![train and val loss against step](loss.png)", ""]
+    out += _tasks(metrics)
     return "\n".join(out)
+
+
+def _task_points(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """task/NAME/acc and task/NAME/acc_norm -> [(step, value)] in order."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for r in metrics:
+        for key, value in r.items():
+            if key.startswith("task/") and value is not None:
+                out.setdefault(key.removeprefix("task/"), []).append((r["step"], value))
+    return out
+
+
+def _tasks(metrics: list[dict]) -> list[str]:
+    """The task section: each metric's latest value, and the plot of all of them."""
+    points = _task_points(metrics)
+    if not points:
+        return []
+    out = ["## Tasks", "", "| task metric | latest | step | best |", "|---|---|---|---|"]
+    for name, values in points.items():
+        step, last = values[-1]
+        out.append(f"| {name} | {last:.4f} | {step:,} | {max(v for _, v in values):.4f} |")
+    out += ["", "acc: the choice with the highest log-likelihood; acc_norm: per character of the choice "
+            "(lm-evaluation-harness's definitions).", "", "![task accuracy against training tokens](tasks.png)", ""]
+    return out
+
+
+def plot_tasks(metrics: list[dict], tokens_per_step: int | None, path: Path, title: str) -> bool:
+    """Task accuracy against training tokens (steps where the token count is unknown); False when
+    the run has no task scores (no plot is written)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    points = _task_points(metrics)
+    if not points:
+        return False
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    scale = tokens_per_step or 1
+    for name, values in points.items():
+        ax.plot([s * scale for s, _ in values], [v for _, v in values], "o-" if "norm" in name else "s--",
+                label=name, markersize=3)
+    ax.set(xlabel="training tokens" if tokens_per_step else "step", ylabel="accuracy", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def plot_loss(metrics: list[dict], path: Path, title: str) -> None:
@@ -263,6 +319,8 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.md"
     path.write_text(render(run_dir, metrics, events, cfg))
     plot_loss(metrics, run_dir / "loss.png", run_dir.resolve().name)
+    batch, seq = _get(cfg, "train", "batch_size"), _get(cfg, "model", "seq_len")
+    plot_tasks(metrics, batch * seq if batch and seq else None, run_dir / "tasks.png", run_dir.resolve().name)
     return path
 
 
