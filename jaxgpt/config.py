@@ -234,7 +234,8 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
-    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2 weights (a dir with config.json + model.safetensors)")
+    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2 or Llama weights (a dir with config.json + "
+                           "model.safetensors)")
 
 
 @dataclass(frozen=True)
@@ -460,9 +461,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if cfg.checkpoint.init_from_hf:
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")
-    if cfg.checkpoint.init_from_hf and m.beyond_gpt2():
-        raise UserError(f"checkpoint.init_from_hf loads GPT-2 weights, which have no counterpart for "
-                        f"{', '.join(m.beyond_gpt2())}; drop those keys or init_from_hf")
+    if cfg.checkpoint.init_from_hf:
+        from jaxgpt.hf_llama import architecture
+        architecture(m)  # GPT-2 or Llama; one line naming the keys neither Hugging Face class holds
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")

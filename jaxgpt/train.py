@@ -102,7 +102,7 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[Train
         return TrainState(fresh.step, other.state.params, fresh.opt_state), None, None
     if cfg.checkpoint.init_from_hf:
         params = hf.load_dir(Path(cfg.checkpoint.init_from_hf), cfg.model)
-        _say(f"starting from the Hugging Face GPT-2 weights in {cfg.checkpoint.init_from_hf}")
+        _say(f"starting from the Hugging Face weights in {cfg.checkpoint.init_from_hf}")
         fresh = init_state(cfg, setup)
         return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None, None
     return init_state(cfg, setup), None, None

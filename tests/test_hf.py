@@ -200,17 +200,25 @@ def test_transformers_loads_the_export(model, tmp_path):
     np.testing.assert_allclose(ours_BTV, theirs_BTV, rtol=0, atol=ATOL)
 
 
-def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir):
+LLAMA_KEYS = ("model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false", "model.n_kv_head=2")
+
+
+@pytest.mark.parametrize("arch, keys, weights", [
+    ("gpt2", (), ("mlp", "c_fc_kernel")),
+    ("llama", LLAMA_KEYS, ("attn", "kv_kernel")),  # grouped-query k/v, exported as LlamaForCausalLM
+])
+def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir, arch, keys, weights):
     """checkpoint.init_from_hf: the first step of a new run uses exactly the imported weights."""
     source = tmp_path / "source"
-    train(tiny_config("train.steps=3", mesh="dp=8"), source)
+    train(tiny_config("train.steps=3", *keys, mesh="dp=8"), source)
     export(source, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == arch
     run = tmp_path / "finetune"
-    state = train(tiny_config("train.steps=1", f"checkpoint.init_from_hf={tmp_path / 'hf'}", "optimizer.lr=1e-12",
-                              mesh="fsdp=4,tp=2"), run)
-    want = load_dir(tmp_path / "hf", tiny_config().model)
-    np.testing.assert_allclose(np.asarray(state.params["blocks"]["mlp"]["c_fc_kernel"]),
-                               want["blocks"]["mlp"]["c_fc_kernel"], atol=1e-9)
+    state = train(tiny_config("train.steps=1", *keys, f"checkpoint.init_from_hf={tmp_path / 'hf'}",
+                              "optimizer.lr=1e-12", mesh="fsdp=4,tp=2"), run)
+    want = load_dir(tmp_path / "hf", tiny_config(*keys).model)
+    layer, name = weights
+    np.testing.assert_allclose(np.asarray(state.params["blocks"][layer][name]), want["blocks"][layer][name], atol=1e-9)
     assert int(state.step) == 1 and read_metrics(run)[-1]["step"] == 1
 
 
