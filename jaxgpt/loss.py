@@ -13,7 +13,9 @@ linear cross-entropy): per chunk, logits -> loss, dlogits = softmax - one_hot, d
 dwte += dlogits^T x. The forward pass keeps dx [C, B, t, D] and dwte [V, D] as residuals and the
 backward pass only scales them by the incoming cotangent. Only one chunk's [B, t, V] exists at a
 time, and the FLOPs are autodiff's (no logits are recomputed, as a `jax.checkpoint`ed chunk would).
-Without differentiation (evaluation) only the loss is computed.
+Without differentiation (evaluation) only the loss is computed; `token_nats` is the same head
+and cross-entropy per position, [B, T], for sums over chosen positions (val bits per byte, a task
+choice's log-likelihood).
 
 The head's table is whatever the caller passes: `wte` for the tied head (GPT-2's), `lm_head` with
 model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the logits are
