@@ -61,7 +61,7 @@ def _main(argv: Sequence[str] | None) -> None:
         record[f"task/{task.name}/examples"] = scores.examples
         if not args.json:
             print(f"{task.name}: acc {scores.acc:.4f} | acc_norm {scores.acc_norm:.4f} | {scores.examples} examples "
-                  f"| {scores.examples / scores.seconds:,.1f} examples/s (step {step}, {task.path})", flush=True)
+                  f"| {scores.seconds:.1f} s, compiling included (step {step}, {task.path})", flush=True)
     if args.json:
         print(json.dumps(record))
 

@@ -23,7 +23,7 @@ text is the special token, as GPT-2's Hugging Face tokenizer reads it.
 
 Every problem with a file is one `UserError` naming the file and line: missing file, not UTF-8,
 a line that is not a JSON object, a missing or mistyped field, no choices, an empty choice, a label
-out of range, a continuation too long, and a file with no examples.
+out of range, a continuation too long (or with no tokens of its own), and a file with no examples.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def load_task(name: str, path: Path, seq_len: int, limit: int = 0) -> Task:
         row_tokens, row_cont = [], []
         for c, choice in enumerate(choices):
             context_ids, cont_ids = encode_pair(context, " " + choice)
+            if not cont_ids:
+                raise UserError(f"task file {path}: example {i + 1}, choice {c} has no tokens of its own (the "
+                                f"tokenizer merges it into the context's last token)")
             if len(cont_ids) > seq_len:
                 raise UserError(f"task file {path}: example {i + 1}, choice {c} is {len(cont_ids)} tokens, more "
                                 f"than the model's context of {seq_len}")
