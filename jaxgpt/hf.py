@@ -8,7 +8,7 @@ what neither holds; on the way in, config.json's model_type (or its `architectur
 The GPT-2 mapping is below; the Llama mapping, with its RoPE layout convention (rotate-half, so q
 and k cross unpermuted), is in hf_llama.py's docstring.
 
-GPT-2. Our parameters (model.py) are stored so that every HF `GPT2LMHeadModel` tensor is a plain
+GPT-2. Our parameters (jaxgpt/model/gpt.py) are stored so that every HF `GPT2LMHeadModel` tensor is a plain
 row-major reshape of one layer's slice; nothing is transposed. HF's `Conv1D` weights are [in, out]:
 
     ours (blocks stacked on L)                HF (per layer i; "transformer." prefix optional)
@@ -23,7 +23,7 @@ row-major reshape of one layer's slice; nothing is transposed. HF's `Conv1D` wei
 
 The functions agree with GPT-2 on everything else: LayerNorm eps 1e-5, GELU with the tanh
 approximation (`gelu_new`), attention scaled by 1/sqrt(K), tied input/output embedding. The
-vocabulary padding (model.py) is dropped on export and zero-filled on import; padded logits are
+vocabulary padding (jaxgpt/model/gpt.py) is dropped on export and zero-filled on import; padded logits are
 -inf, so those rows never matter. On import a longer position table than `model.seq_len` is cut
 to its first T rows (positions are absolute, so a prefix is the same model on shorter contexts).
 HF's causal-mask buffers (`h.i.attn.bias`, `masked_bias`) are ignored.

@@ -10,7 +10,7 @@ Mesh axes
           reduce-scatters its gradient.
     ep    expert parallelism: the experts of a Mixture-of-Experts block (`experts`) are split, each
           device holding E/ep whole experts; everywhere else ep splits the batch like dp, so no
-          device idles outside the MoE layers (jaxgpt/moe.py: how tokens reach their experts).
+          device idles outside the MoE layers (jaxgpt/model/moe.py: how tokens reach their experts).
           With a dense model ep is just one more batch axis.
     tp    Megatron tensor parallelism: attention heads, the MLP hidden units and the vocabulary are
           split, so QKV / MLP-in are column-parallel and attention-out / MLP-out row-parallel.

@@ -10,7 +10,7 @@ accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
 tokens_per_sec, mfu, and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
-the cross-entropy alone; jaxgpt/moe.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
+the cross-entropy alone; jaxgpt/model/moe.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
 no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm. Other tools (and `jaxgpt.report`)
 read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same

@@ -24,7 +24,7 @@ the device memory the target states. It needs `pip install -e ".[gpu-compile]"`.
 plan also predicts the step time, tokens/s and MFU on that GPU from the compiled program, kernel by
 kernel, with each group's share (jaxgpt/gpu/cost.py: a model calibrated on measured H100 steps).
 
-`model.remat=auto` is resolved here as in training (jaxgpt/remat.py): the plan names the policy
+`model.remat=auto` is resolved here as in training (jaxgpt/model/remat.py): the plan names the policy
 it chose and why.
 """
 
@@ -124,9 +124,9 @@ def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
     compiler_options: XLA debug options for this compile (e.g. {'xla_gpu_enable_triton_gemm': False})."""
     import jax
 
-    from jaxgpt.attention import select_kernel
     from jaxgpt.gpu import target as gpu_target
     from jaxgpt.mesh import make_mesh
+    from jaxgpt.model.attention import select_kernel
     from jaxgpt.step import compute_dtype, make_setup, make_train_step
     if cfg.model.remat == "auto":
         raise ValueError("resolve model.remat=auto first (jaxgpt.remat.resolve)")
@@ -267,7 +267,7 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     lines += [f"{k:<20}{c['count'][k]:>8}{_mib(c['bytes'][k])}{_mib(c['wire_bytes'][k])}"
               for k in hlo.COLLECTIVES if c["count"][k]] or ["(none)"]
     if m.moe_experts and p["mesh"]["ep"] > 1:
-        lines.append("(MoE: the all-to-alls move tokens to their experts and back, jaxgpt/moe.py)")
+        lines.append("(MoE: the all-to-alls move tokens to their experts and back, jaxgpt/model/moe.py)")
     if c["unknown_trip_counts"]:
         lines.append(f"warning: loop trip count unreadable ({', '.join(c['unknown_trip_counts'])}): counted "
                      "once, a lower bound")
@@ -339,8 +339,8 @@ def _main(argv: Sequence[str] | None) -> None:
         import jax
         devices = jax.devices()
     limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
-    from jaxgpt import remat
     from jaxgpt.gpu.target import device_memory_bytes
+    from jaxgpt.model import remat
     memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(devices[0]))
     cfg, remat_why, result = remat.resolve(cfg, memory, lambda c: plan(c, devices, limit, args.target))
     result = result or plan(cfg, devices, limit, args.target)

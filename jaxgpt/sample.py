@@ -11,7 +11,7 @@ set whose probability reaches p), then a categorical draw from the seed. tempera
 With one sample the text is streamed as it is generated; with several, each is printed when done.
 `--mesh` shards the parameters by the same table as training, so a model too big for one device
 samples across several; the samples themselves are small and left replicated. An MoE model samples
-with no expert capacity limit (jaxgpt/moe.py: `drop=False`), so no token is dropped.
+with no expert capacity limit (jaxgpt/model/moe.py: `drop=False`), so no token is dropped.
 """
 
 from __future__ import annotations

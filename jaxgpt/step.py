@@ -3,7 +3,7 @@
 The state is a plain pytree (`TrainState`: step, parameters as a nested dict, optax state) so that
 Orbax and `jit` see ordinary arrays. Its shardings are derived, never written by hand:
 
-    parameters       each Param's logical axes (model.py) -> mesh.RULES -> NamedSharding
+    parameters       each Param's logical axes (jaxgpt/model/) -> mesh.RULES -> NamedSharding
     optimizer state  `optax.tree_map_params`: every moment takes its parameter's sharding,
                      scalars (the step count) are replicated
 
@@ -55,12 +55,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
-from jaxgpt.loss import chunked_cross_entropy, token_nats
 from jaxgpt.mesh import named, shard
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
+from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.tokenizer import token_bytes
-
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
 
@@ -143,7 +142,7 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     """(objective, metrics) of windows [B, T+1]. The objective is the mean next-token cross-entropy
     (fp32, the head applied a chunk at a time), plus for an MoE model the weighted load-balancing
     and router z-losses; metrics['loss'] is the cross-entropy alone (comparable with val_loss and
-    dense runs), and an MoE model adds moe_aux_loss, moe_z_loss and moe_dropped (jaxgpt/moe.py)."""
+    dense runs), and an MoE model adds moe_aux_loss, moe_z_loss and moe_dropped (jaxgpt/model/moe.py)."""
     model = nnx.merge(graphdef, params)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)

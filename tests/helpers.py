@@ -26,7 +26,7 @@ TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.seq_len=3
 
 def layer_loops(hlo: str, padded_vocab: int = 50304) -> list[str]:
     """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
-    are the ones that carry the [V, D] embedding gradient (jaxgpt/loss.py)."""
+    are the ones that carry the [V, D] embedding gradient (jaxgpt/model/loss.py)."""
     return [body for body in while_bodies(hlo) if f"[{padded_vocab}," not in body]
 
 

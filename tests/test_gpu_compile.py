@@ -81,7 +81,7 @@ def test_every_layout_compiles_with_cudnn_attention_forward_and_backward(tiny, g
 
 @needs_plugin
 def test_moe_moves_tokens_with_all_to_all_in_the_layer_loops(tiny):
-    """jaxgpt/moe.py on XLA:GPU as on XLA:CPU: 2 all-to-alls forward and 3 backward per MoE block,
+    """jaxgpt/model/moe.py on XLA:GPU as on XLA:CPU: 2 all-to-alls forward and 3 backward per MoE block,
     each run once per layer and micro-batch (2 layers x 2 micro-batches)."""
     ops = [op for op in collective_ops(tiny["dp2_ep4_moe_accum2"])[0] if op.kind == "all-to-all"]
     assert len(ops) == 5 and all(op.times == 4 for op in ops), ops
@@ -209,7 +209,7 @@ def test_plan_command_for_8_h100():
 def test_remat_auto_takes_the_least_recompute_that_fits(h100s):
     """A device one byte smaller than the no-remat step needs: auto compiles 'none', sees that it
     does not fit, and takes the next policy that does."""
-    from jaxgpt import remat
+    from jaxgpt.model import remat
     cfg = tiny_config("model.remat=auto", mesh="dp=8")
     plans: dict[str, dict] = {}  # policy -> its plan, each compiled once
     limit = None

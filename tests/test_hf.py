@@ -391,7 +391,7 @@ def test_llama_attention_scores_use_rotate_half(llama):
     """One layer's q.k scores: attention.rope on our kernels == transformers' rotate-half RoPE on
     the exported q_proj/k_proj rows (!= Meta's adjacent-pair RoPE on them)."""
     from jaxgpt import hf_llama
-    from jaxgpt.attention import rope
+    from jaxgpt.model.positions import rope
 
     cfg, _, params = llama
     m = cfg.model

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from helpers import run_cli, tiny_config, train_losses
+from jax.sharding import PartitionSpec as P
 
-from jaxgpt.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.fp8 import E4M3, E5M2, fp8_einsum, quantize
 from jaxgpt.mesh import make_mesh, named
+from jaxgpt.model.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
+from jaxgpt.model.fp8 import E4M3, E5M2, fp8_einsum, quantize
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train
 
@@ -184,7 +185,7 @@ def test_fp8_head_loss_and_gradients_track_the_exact_head():
     against the same loss in float32, on a default-run-shaped head (D 128, the GPT-2 vocabulary).
     The loss moves by less than e4m3's relative rounding (2^-4) times the logits' spread, and the
     gradients by e5m2's (2^-3) relative error in norm; all three GEMMs of the chunk are fp8."""
-    from jaxgpt.loss import chunked_cross_entropy
+    from jaxgpt.model.loss import chunked_cross_entropy
     cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16").model
     keys = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(keys[0], (4, 64, 128), jnp.float32)

@@ -11,8 +11,8 @@ from flax import nnx
 from helpers import tiny_config
 
 from jaxgpt.config import load_config
-from jaxgpt.loss import chunk_positions
 from jaxgpt.model import GPT, param_count
+from jaxgpt.model.loss import chunk_positions
 from jaxgpt.step import loss_fn
 
 
@@ -96,7 +96,7 @@ def test_bf16_compute_stays_close_to_fp32():
 
 @pytest.mark.parametrize("chunk", [1, 8, 32])
 def test_fused_chunked_loss_equals_whole_logits_autodiff(chunk):
-    """The fused head + cross-entropy (jaxgpt/loss.py) over chunks of `chunk` positions gives the
+    """The fused head + cross-entropy (jaxgpt/model/loss.py) over chunks of `chunk` positions gives the
     loss and every gradient of optax's cross-entropy on the whole logits, differentiated by JAX;
     the padding rows of the tied embedding get no gradient there either. fp32: only the order of
     sums differs (a loss of ~10.8, gradients of ~1e-2), so 1e-6 absolute."""

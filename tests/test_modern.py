@@ -14,11 +14,11 @@ from flax import nnx
 from helpers import tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
-from jaxgpt.attention import rope
 from jaxgpt.config import ModelConfig, load_config, validate
 from jaxgpt.errors import UserError
-from jaxgpt.loss import chunked_cross_entropy
 from jaxgpt.model import GPT, head_table, param_count
+from jaxgpt.model.loss import chunked_cross_entropy
+from jaxgpt.model.positions import rope
 from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model
 from jaxgpt.train import train

@@ -1,4 +1,4 @@
-"""Mixture of Experts (jaxgpt/moe.py) and the ep mesh axis: layouts train the same model, routing
+"""Mixture of Experts (jaxgpt/model/moe.py) and the ep mesh axis: layouts train the same model, routing
 and its losses match a NumPy reference, experts are split over ep, the step holds all-to-alls,
 checkpoints move between ep layouts, sampling works and HF export refuses. 8 fake CPU devices, fp32."""
 
@@ -21,8 +21,8 @@ from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
 from jaxgpt.mesh import make_mesh, named
 from jaxgpt.model import GPT, param_count
+from jaxgpt.model.moe import capacity, route
 from jaxgpt.plan import expert_bytes
-from jaxgpt.moe import capacity, route
 from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model, init_state, make_setup, make_train_step
 from jaxgpt.train import train
@@ -166,7 +166,7 @@ def test_each_device_holds_one_ep_th_of_the_experts_and_their_moments(ep_state):
 def test_step_moves_tokens_with_all_to_all(ep_state):
     """GSPMD turns the dispatch and combine einsums, which move the ep split from the token groups
     to the experts and back, into all-to-alls inside the layer loops: 2 forward, 3 backward
-    (jaxgpt/moe.py). Nothing gathers the expert weights over ep."""
+    (jaxgpt/model/moe.py). Nothing gathers the expert weights over ep."""
     cfg, mesh, setup, state = ep_state
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))

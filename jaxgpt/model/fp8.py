@@ -34,7 +34,7 @@ backward pass are the fp8 operands and their scales: half the bytes of bf16 acti
 Which layers. QKV, attention-out, MLP-in and MLP-out (and the MoE experts' two): the matmuls that
 hold ~all of a transformer block's FLOPs. The embedding lookup and, by default, the tied output
 head stay in the compute dtype: the head sets the logits' precision, and MaxText keeps it out of
-fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/loss.py: its three GEMMs per chunk,
+fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/model/loss.py: its three GEMMs per chunk,
 with `quantize` and `scaled_dot` from here), as the fastest GPT-2 speedruns do; for gpt2-124m the
 head is ~30% of the FLOPs. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the kernel.
 """

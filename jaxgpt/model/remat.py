@@ -1,6 +1,6 @@
 """`model.remat=auto`: the cheapest recompute policy whose compiled train step fits the device.
 
-Policies from least to most recompute (model.REMAT_POLICIES):
+Policies from least to most recompute (REMAT_POLICIES):
 
     none            keep every activation the backward pass needs
     dots            keep matmul outputs, recompute the elementwise work between them
@@ -21,10 +21,19 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from jaxgpt.config import Config
 from jaxgpt.errors import UserError
 
 ORDER = ("none", "dots", "dots_no_batch", "full")
+
+# model.remat -> what the backward pass may keep from the forward pass of a block
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 GIB = 2**30
 
 

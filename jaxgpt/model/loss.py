@@ -44,10 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.gpu.target import target_device
 from jaxgpt.mesh import MESH_AXES, RULES, shard
-from jaxgpt.model import head_logits, softcap
+from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
+from jaxgpt.model.gpt import head_logits, softcap
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
 # (sequences x positions) per device. Measured on the default run on a 2-core CPU: 512 rows train

@@ -1,0 +1,23 @@
+"""The decoder: GPT-2 and the modern options, one room per concern.
+
+    gpt.py        the model: embeddings, the scanned blocks, the head; parameter layout; param_count
+    blocks.py     pre-norm residual blocks, the MoE block, MoE groups
+    attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn)
+    positions.py  rotary position embeddings (model.position=rope)
+    layers.py     parameters with logical axes, compute dtype, LayerNorm/RMSNorm, the dense MLP
+    moe.py        Mixture of Experts: routing, capacity, dispatch/combine, ep all-to-alls
+    fp8.py        direct fp8 GEMMs with current scaling; the named linears every GEMM goes through
+    loss.py       the fused, chunked output head + cross-entropy
+    remat.py      recompute policies, and model.remat=auto's search for the one that fits
+
+The names below were `jaxgpt/model.py`'s and stay importable from `jaxgpt.model`.
+"""
+
+from jaxgpt.model.attention import KV, Attention, KVCache
+from jaxgpt.model.blocks import Block, MoE, MoEGroup
+from jaxgpt.model.gpt import GPT, head_logits, head_table, param_count, softcap
+from jaxgpt.model.layers import MLP, STD, Norm, compute_dtype
+from jaxgpt.model.remat import REMAT_POLICIES
+
+__all__ = ["GPT", "KV", "KVCache", "REMAT_POLICIES", "STD", "Attention", "Block", "MLP", "MoE", "MoEGroup", "Norm",
+           "compute_dtype", "head_logits", "head_table", "param_count", "softcap"]

@@ -1,0 +1,105 @@
+"""Transformer blocks: pre-norm residual x + attn(norm(x)), x + mlp(norm(x)); the MoE variant and
+the groups an MoE model stacks (gpt.py's docstring: why groups)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.mesh import shard
+from jaxgpt.model.attention import KV, Attention
+from jaxgpt.model.layers import MLP, STD, Norm, param
+from jaxgpt.model.moe import Experts, MoEStats, moe_mlp
+
+
+class MoE(nnx.Module):
+    """E expert MLPs (of model.mlp's kind) behind a top-k router (jaxgpt/model/moe.py); the experts'
+    weights carry `experts`."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F, E = cfg.n_embd, cfg.mlp_width, cfg.moe_experts
+        self.cfg = cfg
+        self.router_kernel = param(rngs, (D, E), ("embed", "router"), STD)
+        self.c_fc_kernel = param(rngs, (E, D, F), ("experts", "embed", "mlp"), STD)
+        self.c_fc_bias = param(rngs, (E, F), ("experts", "mlp"), None) if cfg.bias else None
+        if cfg.mlp == "swiglu":
+            self.c_gate_kernel = param(rngs, (E, D, F), ("experts", "embed", "mlp"), STD)
+            self.c_gate_bias = param(rngs, (E, F), ("experts", "mlp"), None) if cfg.bias else None
+        self.c_proj_kernel = param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
+        self.c_proj_bias = param(rngs, (E, D), ("experts", "embed"), None) if cfg.bias else None
+        self.fp8 = cfg.fp8
+
+    def __call__(self, x_BTD: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEStats]:
+        value = lambda p: None if p is None else p[...]  # noqa: E731
+        swiglu = self.cfg.mlp == "swiglu"
+        experts = Experts(self.c_fc_kernel[...], value(self.c_fc_bias),
+                          self.c_gate_kernel[...] if swiglu else None, value(self.c_gate_bias) if swiglu else None,
+                          self.c_proj_kernel[...], value(self.c_proj_bias))
+        return moe_mlp(x_BTD, self.router_kernel[...], experts, mlp=self.cfg.mlp, top_k=self.cfg.moe_top_k,
+                       capacity_factor=self.cfg.moe_capacity_factor, drop=drop, fp8=self.fp8)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        self.ln_1 = Norm(cfg, cfg.n_embd, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln_2 = Norm(cfg, cfg.n_embd, rngs)
+        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+
+    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+        """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
+        or (x, kv, stats)."""
+        if kv is None:
+            x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+        else:
+            y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos)
+            x_BTD = x_BTD + y_BTD
+        stats = None
+        if isinstance(self.mlp, MoE):
+            y_BTD, stats = self.mlp(self.ln_2(x_BTD), drop=kv is None)
+        else:
+            y_BTD = self.mlp(self.ln_2(x_BTD))
+        x_BTD = shard(x_BTD + y_BTD, "batch", "seq", "act_embed")
+        if stats is None:
+            return x_BTD if kv is None else (x_BTD, kv)
+        return (x_BTD, stats) if kv is None else (x_BTD, kv, stats)
+
+
+class MoEGroup(nnx.Module):
+    """model.moe_every = N consecutive blocks: N-1 dense ones (stacked, scanned) and an MoE block
+    last. An MoE model stacks G = n_layer / N of these and scans over them (GPT docstring)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=cfg.moe_every - 1)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_dense(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.dense = make_dense(rngs) if cfg.moe_every > 1 else None  # one assignment: NNX fixes its kind
+        self.moe = Block(cfg, rngs, moe=True)
+
+    def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None):
+        """Training: (x, MoEStats). Decoding (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
+        if kv is None:
+            if self.dense is not None:
+                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+                def run_dense(x_BTD: jax.Array, block: Block) -> jax.Array:
+                    return apply_block(block, x_BTD)
+
+                x_BTD = run_dense(x_BTD, self.dense)
+            return apply_block(self.moe, x_BTD)
+        parts = []
+        if self.dense is not None:
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+            def run_dense_cached(x_BTD: jax.Array, block: Block, kv: KV):
+                return block(x_BTD, kv, pos)
+
+            x_BTD, dense_kv = run_dense_cached(x_BTD, self.dense, KV(kv.k[:-1], kv.v[:-1]))
+            parts.append(dense_kv)
+        x_BTD, moe_kv, stats = self.moe(x_BTD, KV(kv.k[-1], kv.v[-1]), pos)
+        parts.append(KV(moe_kv.k[None], moe_kv.v[None]))
+        return x_BTD, KV(*(jnp.concatenate(p, axis=0) for p in zip(*parts))), stats

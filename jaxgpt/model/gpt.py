@@ -1,0 +1,211 @@
+"""GPT-2 in Flax NNX, with GPT-2's parameter layout and logical sharding names on every weight,
+and the modern decoder's choices as options.
+
+Letters: B batch, T time, D model width, H heads, G key/value heads, K head dim (D = H*K),
+F MLP width (4D by default), V padded vocabulary, L layers.
+
+Layout. Parameters are stored so that a plain reshape gives Hugging Face GPT-2's tensors
+(its `Conv1D` weights are [in, out]):
+
+    ours                               HF GPT-2 (per layer i)
+    wte            [V, D]              wte.weight [50257, D] (drop the padding rows)
+    wpe            [T, D]              wpe.weight
+    blocks.attn.c_attn.kernel [L, D, 3, H, K]   h.i.attn.c_attn.weight [D, 3D]
+    blocks.attn.c_proj.kernel [L, H, K, D]      h.i.attn.c_proj.weight [D, D]
+    blocks.mlp.c_fc.kernel    [L, D, F]         h.i.mlp.c_fc.weight    [D, F]
+    blocks.mlp.c_proj.kernel  [L, F, D]         h.i.mlp.c_proj.weight  [F, D]
+
+QKV keeps its heads as a separate axis so that tensor parallelism splits whole heads (each tp
+shard holds q, k and v of its own heads); a flat [D, 3D] split by columns would hand one device
+all of q. Blocks are created with `nnx.vmap` and run with `nnx.scan`, so the compiled program
+holds one block however deep the model is.
+
+Mixture of Experts (model.moe_experts = E > 0, jaxgpt/model/moe.py). Every model.moe_every-th block
+(N) replaces its MLP by E experts and a router. So that the program still holds one scanned block
+per kind, an MoE model stacks n_layer / N groups (`groups`, an `MoEGroup` each: N-1 dense blocks
+stacked under `dense` and one MoE block `moe`) and scans over the groups, the dense blocks of a
+group by an inner scan. A dense model (E = 0) keeps `blocks` exactly as above, so its parameter
+tree, checkpoints and Hugging Face export are unchanged; an MoE model has no GPT-2 counterpart.
+
+Beyond GPT-2 (each key defaults to GPT-2's choice, which keeps the tree above exactly):
+    model.norm=rmsnorm         RMSNorm instead of LayerNorm (`norm_scale=false`: no parameters)
+    model.position=rope        rotary q/k (attention.rope) instead of `wpe`, which is then absent
+    model.mlp=swiglu|relu2     swiglu adds `mlp.c_gate_kernel` [L, D, F]; F is `model.mlp_hidden`
+    model.n_kv_head=G < H      grouped-query attention: `attn.q_kernel` [L, D, H, K] and
+                               `attn.kv_kernel` [L, D, 2, G, K] replace `c_attn_kernel`; the KV
+                               cache holds G heads
+    model.qk_norm              `attn.q_norm`, `attn.k_norm` (RMS over K, before RoPE)
+    model.tie_embeddings=false a separate output head `lm_head` [V, D]
+    model.bias=false           no biases in linears or norms
+    model.logit_softcap=c      logits c * tanh(logits / c)
+A Llama-style block: x + attn(rmsnorm(x)) and x + swiglu(rmsnorm(x)), the same pre-norm residual.
+
+Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_einsum`;
+`model.remat` recomputes each block's activations in the backward pass under a
+`jax.checkpoint` policy (remat.py: memory for FLOPs); `model.attention` picks the kernel
+(attention.py, beside the attention layer). The package docstring lists what each file holds.
+
+Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
+softmax (see attention.py) and the logits are fp32. The vocabulary is padded to a multiple of
+128 for fast matmuls and even tp splits; padded logits are set to -inf so they get no probability
+and no gradient.
+
+Initialisation follows GPT-2: normal(0.02) for weights and embeddings, zero biases, unit
+LayerNorm scales, and normal(0.02 / sqrt(2L)) for the two projections that write into the
+residual stream.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.mesh import shard
+from jaxgpt.model.attention import KV, KVCache
+from jaxgpt.model.blocks import Block, MoEGroup
+from jaxgpt.model.layers import STD, Norm, param
+from jaxgpt.model.moe import MoEStats
+from jaxgpt.model.remat import REMAT_POLICIES
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
+        if cfg.position == "learned":
+            self.wpe = param(rngs, (cfg.seq_len, cfg.n_embd), ("pos", "embed"), STD)
+
+        if cfg.moe_experts:
+            @nnx.split_rngs(splits=cfg.n_layer // cfg.moe_every)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_groups(rngs: nnx.Rngs) -> MoEGroup:
+                return MoEGroup(cfg, rngs)
+
+            self.groups = make_groups(rngs)
+        else:
+            @nnx.split_rngs(splits=cfg.n_layer)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make_blocks(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs)
+
+            self.blocks = make_blocks(rngs)
+        self.ln_f = Norm(cfg, cfg.n_embd, rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
+
+    def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, cache: KVCache | None = None,
+                 features_only: bool = False, with_moe_stats: bool = False):
+        """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
+        With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns.
+        `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
+        (jaxgpt/model/loss.py), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
+        models): (output, MoEStats averaged over the MoE blocks)."""
+        T = tokens_BT.shape[1]
+        x_BTD = self.embed(tokens_BT, dtype, 0 if cache is None else cache.pos)
+        if cache is not None:
+            if self.cfg.moe_experts:
+                x_BTD, kv = self._run_groups_cached(x_BTD, KV(cache.k, cache.v), cache.pos)
+            else:
+                @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+                def run_cached(x_BTD: jax.Array, block: Block, kv: KV):
+                    return block(x_BTD, kv, cache.pos)
+
+                x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
+            return self._logits(x_BTD, dtype), KVCache(kv.k, kv.v, cache.pos + T)
+
+        x_BTD, stats = self.run_blocks(x_BTD)
+        out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
+        if with_moe_stats:
+            zero = jnp.zeros((), jnp.float32)
+            return out, MoEStats(zero, zero, zero) if stats is None else stats
+        return out
+
+    def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
+        """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`."""
+        # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
+        wte_VD = shard(self.wte[...], "vocab", None)
+        x_BTD = wte_VD[tokens_BT]
+        if self.cfg.position == "learned":
+            x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
+        x_BTD = x_BTD.astype(dtype)
+        return shard(x_BTD, "batch", "seq", "act_embed")
+
+    def run_blocks(self, x_BTD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+        """The stacked blocks (training, no cache), however many this module holds: all of them, or
+        one pipeline stage's (jaxgpt/pipeline.py). Returns (x, MoEStats averaged over the MoE
+        blocks, or None for a dense model)."""
+        def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
+            return block(x_BTD)
+
+        if self.cfg.remat == "auto":
+            raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
+        if self.cfg.remat != "none":
+            apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
+
+        if self.cfg.moe_experts:
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            def run_groups(x_BTD: jax.Array, group: MoEGroup):
+                return group(x_BTD, apply_block)
+
+            x_BTD, stats_G = run_groups(x_BTD, self.groups)
+            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run_stack(x_BTD: jax.Array, block: Block) -> jax.Array:
+            return apply_block(block, x_BTD)
+
+        return run_stack(x_BTD, self.blocks), None
+
+    def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
+        """The cached pass of an MoE model: the [L, ...] cache viewed as [G, N, ...] groups of blocks."""
+        G, N = self.cfg.n_layer // self.cfg.moe_every, self.cfg.moe_every
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
+        def run_cached(x_BTD: jax.Array, group: MoEGroup, kv: KV):
+            x_BTD, kv, _ = group(x_BTD, None, kv, pos)
+            return x_BTD, kv
+
+        x_BTD, kv = run_cached(x_BTD, self.groups, KV(*(a.reshape(G, N, *a.shape[1:]) for a in kv)))
+        return x_BTD, KV(*(a.reshape(G * N, *a.shape[2:]) for a in kv))
+
+    def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        head_VD = self.wte[...] if self.cfg.tie_embeddings else self.lm_head[...]
+        return head_logits(self.ln_f(x_BTD), head_VD, self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
+
+
+def head_table(params: dict) -> jax.Array:
+    """The output head's [V, D] table in a parameter dict: `lm_head` when untied, else `wte`."""
+    return params["lm_head"] if "lm_head" in params else params["wte"]
+
+
+def softcap(logits: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(logits / cap) (model.logit_softcap); the identity for cap = 0."""
+    return cap * jnp.tanh(logits / cap) if cap else logits
+
+
+def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, cap: float = 0.0) -> jax.Array:
+    """The output head: normalised features [B, T, D] -> fp32 logits [B, T, V], soft-capped at `cap`
+    (0: off), the vocabulary padding at -inf (no probability, no gradient)."""
+    logits_BTV = jnp.einsum("btd,vd->btv", x_BTD, wte_VD.astype(dtype), preferred_element_type=jnp.float32)
+    logits_BTV = shard(softcap(logits_BTV, cap), "batch", "seq", "act_vocab")
+    is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
+    return jnp.where(is_real_V, logits_BTV, -jnp.inf)
+
+
+def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = False) -> int:
+    """Parameters of the model (padded vocabulary included), computed without building it.
+    `active`: an MoE block counts only the moe_top_k experts a token passes through (and its router)."""
+    D, F, L, K, b = cfg.n_embd, cfg.mlp_width, cfg.n_layer, cfg.head_dim, int(cfg.bias)
+    mats = 3 if cfg.mlp == "swiglu" else 2
+    mlp = mats * D * F + b * ((mats - 1) * F + D)
+    norm = int(cfg.norm_scale) + b * (cfg.norm == "layernorm")  # parameters per normalised feature
+    qkv = (D + b) * (D + 2 * cfg.kv_heads * K)
+    per_block = 2 * norm * D + qkv + (D * D + b * D) + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
+    moe_blocks = L // cfg.moe_every if cfg.moe_experts else 0
+    experts = cfg.moe_top_k if active else cfg.moe_experts
+    moe_extra = moe_blocks * (D * cfg.moe_experts + (experts - 1) * mlp)  # router, and experts beyond one MLP
+    position = cfg.seq_len * D if include_position and cfg.position == "learned" else 0
+    head = 0 if cfg.tie_embeddings else cfg.padded_vocab * D
+    return cfg.padded_vocab * D + head + position + L * per_block + norm * D + moe_extra

@@ -1,0 +1,93 @@
+"""The small pieces every block is built from: parameters with logical axes, the compute dtype,
+norms and the dense MLP.
+
+Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); norms are fp32.
+Initialisation follows GPT-2: normal(0.02) for weights and embeddings, zero biases, unit norm
+scales (the residual projections' smaller std is chosen by their layers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgpt.config import ModelConfig
+from jaxgpt.gpu.target import target_device
+from jaxgpt.mesh import shard
+from jaxgpt.model.fp8 import linear
+from jaxgpt.model.moe import activate
+
+STD = 0.02
+
+
+def compute_dtype(name: str) -> jnp.dtype:
+    """model.dtype -> the dtype matmuls run in ('auto': bf16 on GPU/TPU, fp32 on CPU)."""
+    if name == "auto":
+        return jnp.bfloat16 if target_device().platform in ("gpu", "tpu") else jnp.float32
+    return jnp.dtype(name)
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], std: float | None) -> nnx.Param:
+    """A parameter with its logical axes; std=None -> zeros, std=0 -> ones (LayerNorm scale)."""
+    if std is None:
+        value = jnp.zeros(shape, jnp.float32)
+    elif std == 0:
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, logical_axes=axes)
+
+
+def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
+    """y + bias in y's dtype; y itself where the layer has no bias (model.bias=false)."""
+    return y if bias is None else y + bias[...].astype(y.dtype)
+
+
+class Norm(nnx.Module):
+    """LayerNorm (GPT-2) or RMSNorm over the last axis, in fp32, eps 1e-5. A learned scale unless
+    model.norm_scale=false; a bias for LayerNorm with model.bias. `axis` names the normalised
+    dimension ('embed', or 'head_dim' for qk-norm, which is always RMS)."""
+
+    def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None):
+        self.rms = cfg.norm == "rmsnorm" if rms is None else rms
+        self.scale = param(rngs, (d,), (axis,), 0) if cfg.norm_scale else None
+        self.bias = param(rngs, (d,), (axis,), None) if cfg.bias and not self.rms else None
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x = x_BTD.astype(jnp.float32)
+        if self.rms:
+            y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-5)
+        else:
+            mean = x.mean(-1, keepdims=True)
+            y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5)
+        y = y if self.scale is None else y * self.scale[...]
+        return add_bias(y, self.bias).astype(x_BTD.dtype)
+
+
+class MLP(nnx.Module):
+    """model.mlp: gelu or relu2 (in, out), or swiglu (in, gate, out: three GEMMs, the gate's named mlp_gate)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F = cfg.n_embd, cfg.mlp_width
+        self.c_fc_kernel = param(rngs, (D, F), ("embed", "mlp"), STD)
+        self.c_fc_bias = param(rngs, (F,), ("mlp",), None) if cfg.bias else None
+        if cfg.mlp == "swiglu":
+            self.c_gate_kernel = param(rngs, (D, F), ("embed", "mlp"), STD)
+            self.c_gate_bias = param(rngs, (F,), ("mlp",), None) if cfg.bias else None
+        self.c_proj_kernel = param(rngs, (F, D), ("mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
+        self.c_proj_bias = param(rngs, (D,), ("embed",), None) if cfg.bias else None
+        self.kind, self.fp8 = cfg.mlp, cfg.fp8
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        dt = x_BTD.dtype
+        h_BTF = add_bias(linear("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel[...].astype(dt), self.fp8), self.c_fc_bias)
+        gate_BTF = None
+        if self.kind == "swiglu":
+            gate_BTF = add_bias(linear("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel[...].astype(dt), self.fp8),
+                             self.c_gate_bias)
+        h_BTF = shard(activate(self.kind, h_BTF, gate_BTF), "batch", "seq", "act_mlp")
+        return add_bias(linear("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt), self.fp8),
+                     self.c_proj_bias)
