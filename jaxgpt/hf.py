@@ -60,6 +60,7 @@ from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
 from jaxgpt.errors import UserError
+from jaxgpt.hf_weights import Tensors
 from jaxgpt.mesh import make_mesh
 from jaxgpt.step import TrainState, abstract_state, make_setup
 from jaxgpt.tokenizer import N_VOCAB
@@ -104,27 +105,13 @@ def to_hf(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
 def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
     """{HF name: array} (with or without the "transformer." prefix) -> our nested params (fp32 numpy)."""
     m = model_cfg
-    t = {k.removeprefix("transformer."): v for k, v in tensors.items()
-         if not re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", k)}
-    layers = sorted({int(k.split(".")[1]) for k in t if re.match(r"h\.\d+\.", k)})
-    if len(layers) != m.n_layer:
-        raise UserError(f"the weights hold {len(layers)} layers but model.n_layer={m.n_layer}; "
-                        f"set model.n_layer={len(layers)}")
-
-    def take(name: str, shape: tuple[int, ...], hint: str = "") -> np.ndarray:
-        if name not in t:
-            raise UserError(f"tensor {name} is missing from the weights")
-        x = t.pop(name)
-        if tuple(x.shape) != shape:
-            raise UserError(f"tensor {name} has shape {tuple(x.shape)} but the model config needs {shape}{hint}")
-        return np.asarray(x, np.float32)
-
-    wte = t.get("wte.weight")
-    hint = "" if wte is None or wte.ndim != 2 else f" (set model.vocab_size={wte.shape[0]} model.n_embd={wte.shape[1]})"
-    wte_VD = take("wte.weight", (m.vocab_size, m.n_embd), hint)
-    wpe = t.get("wpe.weight")
+    w = Tensors({k.removeprefix("transformer."): v for k, v in tensors.items()
+                 if not re.fullmatch(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias", k)}, "h", m.n_layer)
+    take = w.take
+    wte_VD = w.take_embedding("wte.weight", m.vocab_size, m.n_embd)
+    wpe = w.get("wpe.weight")
     if wpe is not None and wpe.ndim == 2 and wpe.shape[0] > m.seq_len:
-        t["wpe.weight"] = wpe[: m.seq_len]  # a shorter context: keep the first positions
+        w.put("wpe.weight", wpe[: m.seq_len])  # a shorter context: keep the first positions
     params: dict[str, Any] = {
         "wte": np.concatenate([wte_VD, np.zeros((m.padded_vocab - m.vocab_size, m.n_embd), np.float32)]),
         "wpe": take("wpe.weight", (m.seq_len, m.n_embd), f" (model.seq_len={m.seq_len} is longer than the table)"),
@@ -134,12 +121,12 @@ def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
     for name, ((group, key), hf_shape, our_shape) in _layer_table(m).items():
         params["blocks"][group][key] = np.stack(
             [take(f"h.{i}.{name}", hf_shape).reshape(our_shape) for i in range(m.n_layer)])
-    head = t.pop("lm_head.weight", None)
-    if head is not None and not np.array_equal(np.asarray(head, np.float32), wte_VD):
-        raise UserError("lm_head.weight differs from wte.weight: only GPT-2's tied output head is supported")
-    if t:
-        raise UserError(f"unexpected tensors in the weights: {', '.join(sorted(t)[:5])}"
-                        + (f" and {len(t) - 5} more" if len(t) > 5 else ""))
+    head = w.get("lm_head.weight")
+    if head is not None:
+        if not np.array_equal(np.asarray(head, np.float32), wte_VD):
+            raise UserError("lm_head.weight differs from wte.weight: only GPT-2's tied output head is supported")
+        take("lm_head.weight", head.shape)
+    w.finish()
     return params
 
 

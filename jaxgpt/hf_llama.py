@@ -55,6 +55,7 @@ import numpy as np
 from jaxgpt import files
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
+from jaxgpt.hf_weights import Tensors
 
 ARCHITECTURE = "LlamaForCausalLM"
 EPS = 1e-5  # jaxgpt's norms (model.Norm)
@@ -147,44 +148,31 @@ def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
     m = model_cfg
     D, H, G, K, pad = m.n_embd, m.n_head, m.kv_heads, m.head_dim, m.padded_vocab - m.vocab_size
     # older exports also saved each layer's RoPE frequencies (a buffer, computed from rope_theta)
-    t = {k.removeprefix("model."): v for k, v in tensors.items()
-         if not re.fullmatch(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", k)}
-    layers = sorted({int(k.split(".")[1]) for k in t if re.match(r"layers\.\d+\.", k)})
-    if len(layers) != m.n_layer:
-        raise UserError(f"the weights hold {len(layers)} layers but model.n_layer={m.n_layer}; "
-                        f"set model.n_layer={len(layers)}")
-
-    def take(name: str, shape: tuple[int, ...], hint: str = "") -> np.ndarray:
-        if name not in t:
-            raise UserError(f"tensor {name} is missing from the weights")
-        x = t.pop(name)
-        if tuple(x.shape) != shape:
-            raise UserError(f"tensor {name} has shape {tuple(x.shape)} but the model config needs {shape}{hint}")
-        return np.asarray(x, np.float32)
+    w = Tensors({k.removeprefix("model."): v for k, v in tensors.items()
+                 if not re.fullmatch(r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", k)},
+                "layers", m.n_layer)
+    take = w.take
 
     def vocab(x_VD: np.ndarray) -> np.ndarray:
         return np.concatenate([x_VD, np.zeros((pad, D), np.float32)])
 
-    wte = t.get("embed_tokens.weight")
-    hint = "" if wte is None or wte.ndim != 2 else f" (set model.vocab_size={wte.shape[0]} model.n_embd={wte.shape[1]})"
-    wte_VD = take("embed_tokens.weight", (m.vocab_size, D), hint)
+    wte_VD = w.take_embedding("embed_tokens.weight", m.vocab_size, D)
     params: dict[str, Any] = {"wte": vocab(wte_VD), "ln_f": {"scale": take("norm.weight", (D,))}}
-    head = t.pop("lm_head.weight", None)
+    head = w.get("lm_head.weight")
     if m.tie_embeddings:
-        if head is not None and not np.array_equal(np.asarray(head, np.float32), wte_VD):
-            raise UserError("lm_head.weight differs from embed_tokens.weight but model.tie_embeddings=true; "
-                            "set model.tie_embeddings=false")
+        if head is not None:
+            if not np.array_equal(np.asarray(head, np.float32), wte_VD):
+                raise UserError("lm_head.weight differs from embed_tokens.weight but model.tie_embeddings=true; "
+                                "set model.tie_embeddings=false")
+            take("lm_head.weight", head.shape)
     else:
         if head is None:
             raise UserError("tensor lm_head.weight is missing but model.tie_embeddings=false; "
                             "set model.tie_embeddings=true")
-        t["lm_head.weight"] = head
         params["lm_head"] = vocab(take("lm_head.weight", (m.vocab_size, D)))
     hf = {name: np.stack([take(f"layers.{i}.{name}", shape) for i in range(m.n_layer)])
           for name, shape in _layer_shapes(m).items()}
-    if t:
-        raise UserError(f"unexpected tensors in the weights: {', '.join(sorted(t)[:5])}"
-                        + (f" and {len(t) - 5} more" if len(t) > 5 else ""))
+    w.finish()
 
     def ours(name: str, *shape: int) -> np.ndarray:  # torch's [L, out, in] -> our [L, in, *shape]
         x = hf[f"{name}.weight"].swapaxes(1, 2)
