@@ -22,9 +22,15 @@ donated, as in training) and reports:
     attention        (JSON) the attention kernel the model runs (xla or cudnn)
     faults/step      (JSON) median minor page faults per timed step, and the process's peak RSS: the
                      cost of allocating the step's temporaries afresh (jaxgpt/allocator.py)
+    cpu ms           (JSON) median process CPU time (user + system, all threads) per timed step: on a
+                     machine shared with other work it moves far less than the wall time
     input tokens/s   the Grain pipeline alone (jaxgpt.data.train_iterator on the config's data,
                      batch and seq_len), on this host, over --input-batches batches after the
                      first; and its ratio to what the step consumes per host (>= 10x is healthy)
+
+`--alternate model.loss_chunk=8,16,32` compiles one step per value and runs them in turn, step
+by step (A B C A B C ...), so that every value sees the same load on a shared machine; it prints
+one row per value (the input pipeline is not measured then).
 
 The batches fed to the step are real data, read and placed on the devices before timing, so the
 step time excludes the input pipeline, which is measured on its own. Prints one JSON object and
@@ -35,6 +41,7 @@ one markdown row:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -73,7 +80,10 @@ def input_tokens_per_sec(cfg: Config, tokens: np.ndarray, n_batches: int) -> flo
     return n_batches * rows * cfg.model.seq_len / (time.perf_counter() - t0)
 
 
-def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
+def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
+              variants: Sequence[Config] = ()) -> dict | list[dict]:
+    """One config's figures (module docstring); with `variants`, a list: each of them timed in
+    turn, step by step (--alternate), without the input pipeline."""
     devices = distributed.ordered_devices()
     cfg = remat.resolve(cfg, plan.device_memory(devices[0]), lambda c: plan.plan(c, devices))[0]  # remat=auto
     data_dir = data.resolve_data_dir(cfg.data.path)
@@ -81,6 +91,8 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     tokens = data.load_split(data_dir, "train")
     t, m = cfg.train, cfg.model
     mesh = make_mesh(sizes, devices)
+    if variants:
+        return _alternate(variants, sizes, mesh, devices, tokens, steps, warmup)
     batch_sharding = named(mesh, ("batch", None))
     feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
                                process_index=jax.process_index(), process_count=jax.process_count())
@@ -93,14 +105,15 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
         t0 = time.perf_counter()
         compiled = make_train_step(cfg, mesh, setup).lower(state, batches[0]).compile()
         compile_s = time.perf_counter() - t0
-        times, faults, losses = [], [], []
+        times, faults, cpu, losses = [], [], [], []
         for i, batch in enumerate(batches):
-            faults0, t0 = _minor_faults(), time.perf_counter()
+            faults0, cpu0, t0 = _minor_faults(), _cpu_s(), time.perf_counter()
             state, metrics = compiled(state, batch)  # the old state is donated
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
                 faults.append(_minor_faults() - faults0)
+                cpu.append(_cpu_s() - cpu0)
             losses.append(float(metrics["loss"]))
     if not all(map(math.isfinite, losses)):
         raise UserError(f"the loss became non-finite during the benchmark: {losses}")
@@ -126,6 +139,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
                     "max": 1e3 * max(times)},
         "tokens_per_sec": rate, "mfu": mfu(rate, m, len(devices), peak),
         "allocator": allocator.describe().split(";")[0],
+        "cpu_ms_per_step": 1e3 * float(np.median(cpu)),  # process CPU time, all threads
         "minor_faults_per_step": float(np.median(faults)),  # pages the step faulted in (allocation churn)
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # whole process, so far
         "memory": plan.memory_analysis(compiled),
@@ -137,8 +151,50 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int) -> dict:
     }
 
 
+def _alternate(variants: Sequence[Config], sizes: dict, mesh, devices, tokens, steps: int, warmup: int) -> list[dict]:
+    """Each variant's compiled step with its own state, run in turn on the same batches."""
+    t, m = variants[0].train, variants[0].model
+    batch_sharding = named(mesh, ("batch", None))
+    feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+    batches = [jax.make_array_from_process_local_data(batch_sharding, next(feed), (t.batch_size, m.seq_len + 1))
+               for _ in range(warmup + steps)]
+    del feed
+    with jax.set_mesh(mesh):
+        runs = []
+        for cfg in variants:
+            validate(cfg, len(devices), m.vocab_size)
+            setup = make_setup(cfg, mesh)
+            state = jax.block_until_ready(init_state(cfg, setup))
+            runs.append({"cfg": cfg, "state": state, "times": [], "cpu": [], "losses": [],
+                         "step": make_train_step(cfg, mesh, setup).lower(state, batches[0]).compile()})
+        for i, batch in enumerate(batches):
+            for run in runs:
+                cpu0, t0 = _cpu_s(), time.perf_counter()
+                run["state"], metrics = run["step"](run["state"], batch)
+                jax.block_until_ready((run["state"], metrics))
+                if i >= warmup:
+                    run["times"].append(time.perf_counter() - t0)
+                    run["cpu"].append(_cpu_s() - cpu0)
+                run["losses"].append(float(metrics["loss"]))
+    tokens_per_step = t.batch_size * m.seq_len
+    return [{"model": dataclasses.asdict(run["cfg"].model), "steps": steps, "warmup": warmup,
+             "allocator": allocator.describe().split(";")[0],
+             "step_ms": {"median": 1e3 * float(np.median(run["times"])), "min": 1e3 * min(run["times"]),
+                         "p10": 1e3 * float(np.percentile(run["times"], 10)),
+                         "p90": 1e3 * float(np.percentile(run["times"], 90))},
+             "cpu_ms_per_step": 1e3 * float(np.median(run["cpu"])),
+             "tokens_per_sec": tokens_per_step / float(np.median(run["times"])),
+             "loss_first_last": [run["losses"][0], run["losses"][-1]]} for run in runs]
+
+
 def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _commit() -> str | None:
@@ -169,11 +225,26 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--input-batches", type=int, default=50, help="batches timed from the input pipeline")
     parser.add_argument("--json", type=Path, help="write the results to this file")
     parser.add_argument("--name", help="first column of the markdown row (default: the config's name)")
+    parser.add_argument("--alternate", metavar="section.key=V1,V2,...",
+                        help="time one step per value of this key, in turn (e.g. model.loss_chunk=8,16,32)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.input_batches < 1:
         raise UserError("--steps and --input-batches must be positive and --warmup not negative")
     cfg = load_config(args.config, args.overrides, args.mesh)
+    if args.alternate:
+        key, _, values = args.alternate.partition("=")
+        variants = [load_config(args.config, [*args.overrides, f"{key}={v}"], args.mesh) for v in values.split(",")]
+        distributed.initialize()
+        results = benchmark(cfg, args.steps, args.warmup, args.input_batches, variants)
+        print("| " + key + " | step ms median (min, p10-p90) | cpu ms/step | tokens/s | loss first / last |")
+        for value, r in zip(values.split(","), results):
+            ms = r["step_ms"]
+            print(json.dumps({"alternate": f"{key}={value}", **r}), flush=True)
+            print(f"| {value} | {ms['median']:,.1f} ({ms['min']:,.1f}, {ms['p10']:,.1f}-{ms['p90']:,.1f}) | "
+                  f"{r['cpu_ms_per_step']:,.0f} | {r['tokens_per_sec']:,.0f} | "
+                  f"{r['loss_first_last'][0]:.6f} / {r['loss_first_last'][1]:.6f} |", flush=True)
+        return
     distributed.initialize()
     result = {"config": args.config or "shakespeare", "overrides": args.overrides, "commit": _commit(),
               "date": datetime.date.today().isoformat(), **benchmark(cfg, args.steps, args.warmup, args.input_batches)}
