@@ -121,10 +121,15 @@ def test_fused_chunked_loss_equals_whole_logits_autodiff(chunk):
 
 
 def test_auto_loss_chunk_bounds_rows_per_device():
-    """model.loss_chunk=0: the largest divisor of seq_len within the CPU's 512 rows per device."""
+    """model.loss_chunk=0: the largest divisor of seq_len within the CPU's max(128, n_embd) rows per device."""
     m = load_config(None, ["model.seq_len=128"]).model
-    assert chunk_positions(m, rows_per_device=16) == 32       # the default run on one device
-    assert chunk_positions(m, rows_per_device=2) == 128       # dp=8: one chunk
+    assert chunk_positions(m, rows_per_device=16) == 8        # the default run on one device
+    assert chunk_positions(m, rows_per_device=2) == 64        # dp=8
+    assert chunk_positions(m, rows_per_device=1) == 128       # one chunk
     assert chunk_positions(m, rows_per_device=1000) == 1
-    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=16) == 32
+    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=16) == 8
+    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=5) == 24
+    wide = load_config(None, ["model.n_embd=768", "model.n_head=12", "model.seq_len=1024"]).model
+    assert chunk_positions(wide, rows_per_device=1) == 512     # gpt2-124m, 1 x 1024: 768 rows -> 512
+    assert chunk_positions(wide, rows_per_device=8) == 64
     assert chunk_positions(load_config(None, ["model.seq_len=96", "model.loss_chunk=48"]).model, 16) == 48

@@ -22,10 +22,10 @@ model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the 
 c * tanh(z / c) and dlogits picks up the factor 1 - (logits / c)^2, in the same pass.
 
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
-within `AUTO_CHUNK_ROWS` rows per device, and t = T is a single chunk. Under FSDP the embedding
-table is gathered once, before the loop, not once per chunk (the same `shard` the input lookup
-uses). Precision follows the model: logits, softmax and the accumulated dwte in fp32, the two
-gradient matmuls in the compute dtype with fp32 accumulation.
+within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
+single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
+chunk (the same `shard` the input lookup uses). Precision follows the model: logits, softmax and
+the accumulated dwte in fp32, the two gradient matmuls in the compute dtype with fp32 accumulation.
 
 The label's logit is picked by comparing the vocabulary index with the label and summing, not by
 a gather: with the vocabulary split over tp that is Megatron's vocab-parallel cross-entropy (each
@@ -50,11 +50,15 @@ from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.model.gpt import head_logits, softcap
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
-# (sequences x positions) per device. Measured on the default run on a 2-core CPU: 512 rows train
-# 7% faster than one chunk (a third of the temporaries to allocate and touch each step); on a GPU,
-# 8192 rows keep the head's matmuls large while the logits of gpt2-124m's 32-sequence micro-batch
-# shrink from 6.6 GB to 1.6 GB.
-AUTO_CHUNK_ROWS = {"cpu": 512}
+# (sequences x positions) per device. On a CPU, n_embd rows (at least 128): a chunk's logits
+# [rows, V] no larger than the [V, D] table gradient every chunk adds to. The default run (D 128):
+# 128 rows was the fastest chunk measured on a 2-core Intel Xeon (1,258 ms a step against 1,511 for
+# 512 rows and 2,102 for one chunk, issue 23) and as fast as 256-1,024 rows on a 2-core AMD EPYC,
+# where one chunk is 1.5x slower; gpt2-124m (D 768, 1 x 1024 tokens) on that AMD: 512 positions 4%
+# faster than 128 (docs/benchmarks.md, "CPU vs a PyTorch reference"). On a GPU, 8192 rows keep the
+# head's matmuls large while the logits of gpt2-124m's 32-sequence micro-batch shrink from 6.6 GB
+# to 1.6 GB.
+AUTO_CHUNK_ROWS = {"cpu": 128}
 AUTO_CHUNK_ROWS_ACCELERATOR = 8192
 
 
@@ -65,7 +69,8 @@ def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None
     T = T or cfg.seq_len
     if cfg.loss_chunk and T % cfg.loss_chunk == 0:
         return cfg.loss_chunk
-    budget = AUTO_CHUNK_ROWS.get(target_device().platform, AUTO_CHUNK_ROWS_ACCELERATOR)
+    platform = target_device().platform
+    budget = max(AUTO_CHUNK_ROWS[platform], cfg.n_embd) if platform in AUTO_CHUNK_ROWS else AUTO_CHUNK_ROWS_ACCELERATOR
     limit = max(1, budget // max(1, rows_per_device))
     return max(t for t in range(1, min(T, limit) + 1) if T % t == 0)
 
