@@ -109,8 +109,8 @@ class ModelConfig:
                     "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
                     "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))
     loss_chunk: int = _f(0, "positions per chunk of the fused head + cross-entropy: only [batch, chunk, vocab] "
-                         "logits exist at a time; must divide seq_len; 0 = auto (512 rows per device on CPU, "
-                         "8192 on GPU)", range=NONNEGATIVE)
+                         "logits exist at a time; must divide seq_len; 0 = auto (at most max(128, n_embd) rows "
+                         "per device on CPU, 8192 on GPU)", range=NONNEGATIVE)
     moe_experts: int = _f(0, "experts E per Mixture-of-Experts block (0 = dense MLPs); parameter counts in the log "
                           "and MFU count the active parameters (moe_top_k of the E experts per token)",
                           range=NONNEGATIVE)
