@@ -290,6 +290,16 @@ def big(tmp_path_factory):
     return args, files_of(root / "ref")
 
 
+def stopped(pid: int) -> bool:
+    """Once a SIGSTOP sent to pid has taken effect: True if it stopped, False if it had exited first.
+    (kill() returns before the signal lands: a process still running then can finish meanwhile.)"""
+    while True:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "Z", "X"):
+            return state == "T"
+        time.sleep(0.001)
+
+
 def test_ctrl_c_is_one_line_and_exit_130_then_the_same_command_finishes(tmp_path, big):
     args, ref = big
     out = tmp_path / "out"
@@ -300,7 +310,7 @@ def test_ctrl_c_is_one_line_and_exit_130_then_the_same_command_finishes(tmp_path
             time.sleep(0.01)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGSTOP)  # frozen mid-way: Ctrl-C lands where it stopped
-            if not (out / writer.META).exists():
+            if stopped(proc.pid) and not (out / writer.META).exists():
                 break
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)

@@ -35,6 +35,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -138,7 +139,7 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
-        with multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init) as pool:
+        with _spawn_pool(workers) as pool:
             in_flight: deque = deque()
             for batch, cursor, bad_lines in run.batches(batch_chars):
                 tasks = _tasks([text for text, _ in batch])
@@ -186,6 +187,22 @@ class EmptySplit(UserError):
 def _worker_init() -> None:
     """Workers leave Ctrl-C to the main process, which stops them and prints one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _spawn_pool(workers: int):
+    """The encoding workers, deaf to Ctrl-C from their first instruction: they are spawned while
+    the main process ignores SIGINT, a disposition exec keeps and Python's start-up leaves alone.
+    (Set only by _worker_init, a worker still importing numpy when Ctrl-C lands would print its
+    own traceback above the one line.) The main process ignores Ctrl-C only for the milliseconds
+    the fork + exec take; outside the main thread signal dispositions cannot change, so as is."""
+    start = lambda: multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)  # noqa: E731
+    if threading.current_thread() is not threading.main_thread():
+        return start()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        return start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _tasks(texts: list[str]) -> list[list[str]]:
