@@ -93,12 +93,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     mesh = make_mesh(sizes, devices)
     if variants:
         return _alternate(variants, sizes, mesh, devices, tokens, steps, warmup)
-    batch_sharding = named(mesh, ("batch", None))
-    feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count())
-    batches = [jax.make_array_from_process_local_data(batch_sharding, next(feed), (t.batch_size, m.seq_len + 1))
-               for _ in range(warmup + steps)]
-    del feed
+    batches = _batches(cfg, mesh, tokens, warmup + steps)
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)
         state = jax.block_until_ready(init_state(cfg, setup))
@@ -151,15 +146,19 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     }
 
 
+def _batches(cfg: Config, mesh, tokens, n: int) -> list:
+    """The first n real training batches, placed on the mesh before any timing."""
+    t, m = cfg.train, cfg.model
+    feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
+                               process_index=jax.process_index(), process_count=jax.process_count())
+    return [jax.make_array_from_process_local_data(named(mesh, ("batch", None)), next(feed),
+                                                   (t.batch_size, m.seq_len + 1)) for _ in range(n)]
+
+
 def _alternate(variants: Sequence[Config], sizes: dict, mesh, devices, tokens, steps: int, warmup: int) -> list[dict]:
     """Each variant's compiled step with its own state, run in turn on the same batches."""
     t, m = variants[0].train, variants[0].model
-    batch_sharding = named(mesh, ("batch", None))
-    feed = data.train_iterator(tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
-                               process_index=jax.process_index(), process_count=jax.process_count())
-    batches = [jax.make_array_from_process_local_data(batch_sharding, next(feed), (t.batch_size, m.seq_len + 1))
-               for _ in range(warmup + steps)]
-    del feed
+    batches = _batches(variants[0], mesh, tokens, warmup + steps)
     with jax.set_mesh(mesh):
         runs = []
         for cfg in variants:
