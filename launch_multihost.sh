@@ -102,7 +102,9 @@ attempt_local() {
       # The first failure is the cause; the others stop within the heartbeat timeout, or are killed.
       status=$s reason="process $i exited with $(describe "$s")"
       if ((${#remaining[@]})); then
-        ( sleep $((heartbeat + 30)); kill -KILL "${remaining[@]}" 2>/dev/null ) &
+        # Its sleep must hold no output pipe and die with it: `... | tee log` would wait for it.
+        ( exec >/dev/null 2>&1; sleep $((heartbeat + 30)) & sleeper=$!; trap 'kill $sleeper; exit 0' TERM
+          wait $sleeper; kill -KILL "${remaining[@]}" ) &
         watchdog=$!
       fi
     fi

@@ -116,12 +116,29 @@ class Compiled(NamedTuple):
     seconds: float         # tracing + compiling
 
 
-def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
-                 compiler_options: dict[str, Any] | None = None) -> Compiled:
-    """jaxgpt.step's train step for `devices`, compiled ahead of time from shapes alone.
+class Lowered(NamedTuple):
+    """The train step traced and lowered, not yet compiled: tracing holds the GIL and swaps the
+    cuDNN version check (jaxgpt.gpu.target.compiling_for), compiling does neither, so several steps
+    are lowered one at a time and may then compile in threads (tests/test_gpu_compile.py)."""
+    lowered: Any           # jax.stages.Lowered of the train step
+    state: Any
+    batch: Any
+    sizes: dict[str, int]
+    dtype: Any
+    kernel: str
+    why: str
+    seconds: float         # tracing + lowering
 
-    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target).
-    compiler_options: XLA debug options for this compile (e.g. {'xla_gpu_enable_triton_gemm': False})."""
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        started = time.perf_counter()
+        compiled = self.lowered.compile(compiler_options)
+        return Compiled(compiled, *self[1:-1], self.seconds + time.perf_counter() - started)
+
+
+def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Lowered:
+    """jaxgpt.step's train step for `devices`, traced from shapes alone and lowered.
+
+    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target)."""
     import jax
 
     from jaxgpt.gpu import target as gpu_target
@@ -141,8 +158,17 @@ def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
         setup = make_setup(cfg, mesh)
         state, batch = abstract_inputs(cfg, mesh, setup)
         with jax.set_mesh(mesh):
-            compiled = make_train_step(cfg, mesh, setup).lower(state, batch).compile(compiler_options)
-    return Compiled(compiled, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started)
+            lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
+    return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started)
+
+
+def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
+                 compiler_options: dict[str, Any] | None = None) -> Compiled:
+    """jaxgpt.step's train step for `devices`, compiled ahead of time from shapes alone.
+
+    target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target).
+    compiler_options: XLA debug options for this compile (e.g. {'xla_gpu_enable_triton_gemm': False})."""
+    return lower_step(cfg, devices, target).compile(compiler_options)
 
 
 def _not_fp8(text: str) -> list[str]:
