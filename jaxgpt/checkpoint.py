@@ -18,7 +18,11 @@ evaluates before it saves), so resuming from S keeps exactly those rows; see tra
 Saves are asynchronous: `save` returns once the arrays are copied off the device and the writes
 continue in a background thread. Orbax writes into a temporary directory and renames it when
 complete (plus `commit_success.txt`), so a checkpoint either exists whole or not at all; jaxgpt
-never writes checkpoint files itself.
+never writes checkpoint files itself. Orbax copies a replicated array off the device a slice per
+replica ("replica-parallel"), each slice an eagerly compiled program per array and device: worth
+it for big arrays, but for small ones the compiles cost more than the copy (a tiny model's first
+save: ~1 s of them on 8 CPU devices). So only arrays whose slices are at least
+`REPLICA_PARALLEL_MIN_BYTES` are split; the others are copied whole by their first replica.
 
 Resume takes the newest step that reads back. A step directory without its commit marker, or
 whose metadata or array files are garbage, missing or truncated, is skipped with one warning line
@@ -79,6 +83,12 @@ from jaxgpt.step import TrainState
 COMMIT_MARKER = "commit_success.txt"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a save in progress: STEP.orbax-checkpoint-tmp
 DAMAGED_DIR = "damaged"
+REPLICA_PARALLEL_MIN_BYTES = 1 << 20
+# Set on Orbax's registered jax.Array handler itself (its constructor's option of that name):
+# registering a new one would log a warning and drop the metadata store Orbax gives its own.
+_arrays = ocp.type_handlers.get_type_handler(jax.Array)
+if hasattr(_arrays, "_min_slice_bytes_for_replica_parallel"):
+    _arrays._min_slice_bytes_for_replica_parallel = REPLICA_PARALLEL_MIN_BYTES
 # The config keys that the train state's shapes depend on (dtype, attention, fp8, remat do not);
 # a key this version's config lacks is passed over.
 SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.mlp", "model.mlp_hidden",
