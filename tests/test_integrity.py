@@ -22,6 +22,7 @@ import pytest
 import zstandard
 
 from jaxgpt import data, tokenizer
+from jaxgpt.data import corpus as corpus_module
 from jaxgpt.data import integrity, readers, writer
 from jaxgpt.data.corpus import prepare_corpus
 from jaxgpt.errors import UserError
@@ -316,7 +317,9 @@ def test_ctrl_c_is_one_line_and_exit_130_then_the_same_command_finishes(tmp_path
                 if proc.wait(timeout=60) != 0:
                     break
                 # Exit 0: the run finished although it was stopped before meta.json. Seen twice in CI
-                # on 2 loaded cores, not reproduced by hand (60 tries under load): an open bug (notes).
+                # on 2 loaded cores, never reproduced by hand (160 tries under load). One way it can
+                # happen, a Ctrl-C landing in a __del__, is fixed and tested above; whether it was
+                # CI's is unconfirmed, so such an attempt is still checked for its output and retried.
                 assert files_of(out) == ref
             else:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -340,6 +343,31 @@ def test_kill_9_at_half_a_second_then_the_same_command_finishes(tmp_path, big):
     proc = run_prepare(*args, "--workers", 1, "--out", out)
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert files_of(out) == ref
+
+
+def test_ctrl_c_that_lands_in_a_finalizer_still_interrupts(tmp_path, monkeypatch, capfd):
+    """Python drops an exception raised inside a __del__ (multiprocessing's pipes and pool have
+    them; garbage collection runs them anywhere) and prints "Exception ignored": a Ctrl-C landing
+    there would let the preparation finish and exit 0. It is remembered and raised again, silently."""
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes(jsonl_bytes(DOCS[:300]))
+
+    class Finalizer:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, handled at the next bytecode: in here
+            sum(range(1000))
+
+    real_commit = corpus_module._Run.commit
+
+    def commit(self, *args):
+        real_commit(self, *args)
+        Finalizer()  # collected at once
+
+    monkeypatch.setattr(corpus_module._Run, "commit", commit)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_corpus([corpus], tmp_path / "out", **KW, batch_chars=20_000)
+    assert "Exception ignored" not in capfd.readouterr().err
+    assert not (tmp_path / "out" / writer.META).exists()
 
 
 @pytest.mark.parametrize("moment", ["before the first record", "before meta.json", "after meta.json"])

@@ -27,6 +27,7 @@ Because every step is a deterministic function of the input stream, any worker c
 number of interruptions, gives the same bytes. Measured throughput: docs/benchmarks.md.
 """
 
+import contextlib
 import hashlib
 import json
 import math
@@ -139,19 +140,23 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
-        with _spawn_pool(workers) as pool:
-            in_flight: deque = deque()
-            for batch, cursor, bad_lines in run.batches(batch_chars):
-                tasks = _tasks([text for text, _ in batch])
-                in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
-                if len(in_flight) > _IN_FLIGHT:
+        with _ctrl_c_remembered() as ctrl_c:
+            with _spawn_pool(workers) as pool:
+                in_flight: deque = deque()
+                for batch, cursor, bad_lines in run.batches(batch_chars):
+                    tasks = _tasks([text for text, _ in batch])
+                    in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
+                    if len(in_flight) > _IN_FLIGHT:
+                        run.commit(*in_flight.popleft())
+                        show.update(run.cursor, reader.file_bytes_read)
+                        ctrl_c.check()
+                while in_flight:
                     run.commit(*in_flight.popleft())
                     show.update(run.cursor, reader.file_bytes_read)
-            while in_flight:
-                run.commit(*in_flight.popleft())
-                show.update(run.cursor, reader.file_bytes_read)
-        meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
-                          shard_tokens, identity)
+                    ctrl_c.check()
+            ctrl_c.check()
+            meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
+                              shard_tokens, identity)
     except OSError as e:  # reading errors are UserErrors already: this is the output (full, read-only)
         run.close()
         show.close(failed=True)
@@ -187,6 +192,47 @@ class EmptySplit(UserError):
 def _worker_init() -> None:
     """Workers leave Ctrl-C to the main process, which stops them and prints one line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _CtrlC:
+    """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: Python drops an exception
+    raised while it runs a __del__ method or a weakref callback (multiprocessing's pipes and pool
+    finalizers have them, and garbage collection runs them at any moment), printing "Exception
+    ignored" and going on. So a remembered Ctrl-C is raised again by `check()` after each batch and
+    before meta.json, and on leaving (its "Exception ignored" report is dropped): a preparation
+    interrupted anywhere ends as interrupted, one line and exit 130, never as finished."""
+
+    def __init__(self):
+        self.pressed = False
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_remembered():
+    ctrl_c = _CtrlC()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
+        yield ctrl_c
+        return
+
+    def on_ctrl_c(signum, frame):
+        ctrl_c.pressed = True
+        raise KeyboardInterrupt
+
+    def unraisable(report):
+        if not (ctrl_c.pressed and report.exc_type is KeyboardInterrupt):
+            previous_hook(report)
+
+    previous, previous_hook = signal.signal(signal.SIGINT, on_ctrl_c), sys.unraisablehook
+    sys.unraisablehook = unraisable
+    try:
+        yield ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+    ctrl_c.check()
 
 
 def _spawn_pool(workers: int):
