@@ -201,7 +201,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class MeshConfig:
     pp: int = _f(1, "pipeline-parallel axis size: the layers split into pp stages, micro-batches flowing through "
-                 "them (jaxgpt/pipeline.py); -1 as below", range=MESH_AXIS)
+                 "them (jaxgpt/parallel/pipeline.py); -1 as below", range=MESH_AXIS)
     dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave", range=MESH_AXIS)
     fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above",
                    range=MESH_AXIS)

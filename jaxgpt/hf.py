@@ -61,7 +61,7 @@ from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
 from jaxgpt.errors import UserError
 from jaxgpt.hf_weights import Tensors
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import TrainState, abstract_state, make_setup
 from jaxgpt.tokenizer import N_VOCAB
 

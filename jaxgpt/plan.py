@@ -54,7 +54,7 @@ def abstract_inputs(cfg: Config, mesh, setup) -> tuple[Any, Any]:
     import jax
     import numpy as np
 
-    from jaxgpt.mesh import named
+    from jaxgpt.parallel.mesh import named
     from jaxgpt.step import abstract_state
     state = abstract_state(cfg, setup)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
@@ -142,8 +142,8 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
     import jax
 
     from jaxgpt.gpu import target as gpu_target
-    from jaxgpt.mesh import make_mesh
     from jaxgpt.model.attention import select_kernel
+    from jaxgpt.parallel.mesh import make_mesh
     from jaxgpt.step import compute_dtype, make_setup, make_train_step
     if cfg.model.remat == "auto":
         raise ValueError("resolve model.remat=auto first (jaxgpt.remat.resolve)")
@@ -223,8 +223,8 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
 def _pipeline(cfg: Config, sizes: dict[str, int], dtype) -> dict[str, Any] | None:
     import numpy as np
 
-    from jaxgpt import pipeline
     from jaxgpt.config import pipeline_microbatches, round_rows
+    from jaxgpt.parallel import pipeline
     if sizes["pp"] == 1:
         return None
     t, m = cfg.train, cfg.model

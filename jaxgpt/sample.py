@@ -29,14 +29,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt import files
+from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
-from jaxgpt.mesh import make_mesh
-from jaxgpt.model import KVCache, compute_dtype
-from jaxgpt.step import abstract_model, make_setup
 from jaxgpt.hf_tokenizer import EOT_TEXT
+from jaxgpt.model import KVCache, compute_dtype
+from jaxgpt.parallel.mesh import make_mesh
+from jaxgpt.step import abstract_model, make_setup
 from jaxgpt.tokenizer import gpt2_encoding
 
 

@@ -31,7 +31,7 @@ Pipeline parallelism (pp > 1)
 -----------------------------
 The same `shard_map` is then manual over pp as well (`manual_layout`): the stacked blocks come in
 split over pp (each device its stage's layers), everything else replicated, and the objective is
-`pipeline_objective`, which runs the micro-batches through the stages (jaxgpt/pipeline.py) and
+`pipeline_objective`, which runs the micro-batches through the stages (jaxgpt/parallel/pipeline.py) and
 returns this stage's share of the loss. The parameters are made varying over pp too, so after
 the accumulation a psum over pp adds up the partial gradients of what every stage uses
 (embeddings, ln_f), while a stage's own blocks need no pp reduction. The eval step runs the same
@@ -53,12 +53,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt import pipeline
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
-from jaxgpt.mesh import named, shard
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
+from jaxgpt.parallel import pipeline
+from jaxgpt.parallel.mesh import named, shard
 from jaxgpt.tokenizer import token_bytes
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
@@ -157,7 +157,7 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
 def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
                        stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/pipeline.py):
+    """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/parallel/pipeline.py):
     `params['blocks']` holds this stage's chunks, and the result is its share of the loss (the M/pp
     micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss.
     `block_axes`: the blocks' logical axes, for pipeline.gather_once."""

@@ -45,7 +45,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import allocator, data, distributed, hf
+from jaxgpt import allocator, data, hf
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
@@ -54,10 +54,11 @@ from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer
 from jaxgpt.evaluate.tasks import Task, load_tasks
 from jaxgpt.files import read_jsonl
-from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
+from jaxgpt.parallel import distributed
+from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import device_memory, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step

@@ -55,15 +55,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxgpt import allocator, data, distributed, plan
+from jaxgpt import allocator, data, plan
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import gemm_counts
-from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import mfu, peak_flops
 from jaxgpt.model import remat
 from jaxgpt.model.attention import select_kernel
+from jaxgpt.parallel import distributed
+from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import compute_dtype, init_state, make_setup, make_train_step
 
 

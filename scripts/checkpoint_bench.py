@@ -21,7 +21,7 @@ import jax
 
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.config import CheckpointConfig, load_config, validate
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import init_state, make_setup
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxgpt import distributed
+from jaxgpt.parallel import distributed
 
 KINDS = {
     # name: (collective inside shard_map, bus-bandwidth factor as a function of n)

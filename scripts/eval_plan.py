@@ -38,9 +38,9 @@ def main() -> None:
     from jaxgpt.evaluate.score import Scorer
     from jaxgpt.gpu import cost, perf
     from jaxgpt.gpu import target as gpu_target
-    from jaxgpt.mesh import make_mesh
     from jaxgpt.metrics import flops_per_token
     from jaxgpt.model import compute_dtype
+    from jaxgpt.parallel.mesh import make_mesh
     from jaxgpt.step import abstract_state, make_setup
 
     cfg = load_config(args.config, args.overrides)

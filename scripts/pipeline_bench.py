@@ -4,7 +4,7 @@
 
 How a CPU can show a bubble. The S fake CPU devices of `--mesh pp=S` share this machine's cores,
 so stages do not overlap in time as S GPUs would; instead the bubble shows up as work: in a
-bubble slot a stage computes on zeros (jaxgpt/pipeline.py), so a step makes (R*M + S - 1) chunk
+bubble slot a stage computes on zeros (jaxgpt/parallel/pipeline.py), so a step makes (R*M + S - 1) chunk
 passes per stage where R*M carry micro-batches. Its time T_pp is compared with T_1, the same work
 on one device with the same structure and no pipeline: the whole model over the same M
 micro-batches, all forward passes and then all backward passes (the gradient of a scan over the
@@ -55,9 +55,9 @@ def main() -> None:
     import optax
 
     from jaxgpt.config import load_config, validate
-    from jaxgpt.mesh import make_mesh
     from jaxgpt.model import compute_dtype
-    from jaxgpt.pipeline import bubble_fraction
+    from jaxgpt.parallel.mesh import make_mesh
+    from jaxgpt.parallel.pipeline import bubble_fraction
     from jaxgpt.step import TrainState, init_state, make_setup, make_train_step, objective_fn
 
     model = [f"model.n_layer={args.layers}", f"model.n_embd={args.width}", "model.n_head=4",

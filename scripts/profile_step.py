@@ -32,14 +32,15 @@ from pathlib import Path
 
 import jax
 
-from jaxgpt import allocator, data, distributed, plan
+from jaxgpt import allocator, data, plan
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.gpu import cost, perf
-from jaxgpt.mesh import make_mesh, named
 from jaxgpt.metrics import flops_per_token
 from jaxgpt.model import remat
+from jaxgpt.parallel import distributed
+from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 
 _BY_KERNEL_NAME = [(re.compile(r"gemm|cublas|cutlass|matmul|sm\d+_xmma", re.I), cost.GEMM),

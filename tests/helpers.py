@@ -13,7 +13,7 @@ import jax
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.config import load_config, validate
 from jaxgpt.hlo import while_bodies
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_state, make_setup
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 

@@ -25,7 +25,7 @@ from jaxgpt.config import load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer, accuracies, buckets
 from jaxgpt.evaluate.tasks import encode_pair, load_task, parse_spec, preprocess, read_examples
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.sample import shard_params
 from jaxgpt.step import abstract_model, make_eval_step, make_setup
 from jaxgpt.tokenizer import EOT_ID, gpt2_encoding, token_bytes

@@ -2,7 +2,7 @@
 
 Each layout's step is the real one (jaxgpt.plan.compile_step -> jaxgpt.step), compiled once per
 module; the assertions read XLA:GPU's own HLO: cuDNN fused attention forward and backward under
-every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/manual.py), one
+every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/parallel/manual.py), one
 gradient all-reduce per step under dp, bf16 weight gathers and gradient reduce-scatters under fsdp,
 tp's all-reduces inside the layer loops, MoE's all-to-alls over ep, pp's collective-permutes inside
 the pipeline schedule's loop. The tiny model covers the layout matrix; gpt2-124m (2 of
@@ -104,7 +104,7 @@ def test_moe_moves_tokens_with_all_to_all_in_the_layer_loops(tiny):
 
 @needs_plugin
 def test_pipeline_stages_pass_activations_with_collective_permutes(tiny):
-    """jaxgpt/pipeline.py on XLA:GPU: the stage shift is a collective-permute inside the schedule's
+    """jaxgpt/parallel/pipeline.py on XLA:GPU: the stage shift is a collective-permute inside the schedule's
     loop (forward and backward); GPipe moves no weights (no all-to-all), the circular schedule
     reorders the block weights into stage-major order and back with all-to-alls."""
     for name in ("pp2_dp2_tp2", "pp2_fsdp4_circular_accum2_remat_full_fp8"):

@@ -517,7 +517,7 @@ def test_llama_export_refuses_a_nanochat_model_in_one_line(tmp_path, capsys):
     """A relu2, parameter-free-norm run: `python -m jaxgpt.hf export` says why in one line, writes nothing."""
     from jaxgpt import hf
     from jaxgpt.checkpoint import Checkpointer
-    from jaxgpt.mesh import make_mesh
+    from jaxgpt.parallel.mesh import make_mesh
     from jaxgpt.step import abstract_state, make_setup
 
     cfg = tiny_config(*NANOCHAT)

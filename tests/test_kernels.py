@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.mesh import make_mesh, named
 from jaxgpt.model.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
 from jaxgpt.model.fp8 import E4M3, E5M2, fp8_einsum, quantize
+from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train
 

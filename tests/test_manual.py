@@ -1,4 +1,4 @@
-"""jaxgpt.manual.per_shard (how cuDNN attention runs on a mesh), checked on CPU with XLA attention:
+"""jaxgpt.parallel.manual.per_shard (how cuDNN attention runs on a mesh), checked on CPU with XLA attention:
 the same values and gradients as one device, inside a plain jit and inside the train step's kind of
 dp-manual shard_map, with specs derived from the logical-axis table."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt.manual import per_shard, spec_for
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.manual import per_shard, spec_for
+from jaxgpt.parallel.mesh import make_mesh
 
 AXES = ("batch", "seq", "act_heads", None)
 attend = partial(jax.nn.dot_product_attention, is_causal=True, implementation="xla")

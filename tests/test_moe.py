@@ -19,9 +19,9 @@ from jaxgpt import data
 from jaxgpt.config import load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
-from jaxgpt.mesh import make_mesh, named
 from jaxgpt.model import GPT, param_count
 from jaxgpt.model.moe import capacity, route
+from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import expert_bytes
 from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model, init_state, make_setup, make_train_step

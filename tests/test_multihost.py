@@ -20,7 +20,7 @@ from helpers import REPO, TINY, read_metrics, train_losses, tiny_config
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED
 from jaxgpt.config import validate
-from jaxgpt.mesh import make_mesh
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (jaxgpt/pipeline.py): every pp layout trains the same model as one device,
+"""Pipeline parallelism (jaxgpt/parallel/pipeline.py): every pp layout trains the same model as one device,
 bubbles never leak into a result, each stage holds only its own layers, the compiled step moves
 activations with collective-permutes, and checkpoints move between pp and non-pp meshes."""
 
@@ -12,8 +12,8 @@ from helpers import read_metrics, restore_run, tiny_config, train_losses
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import collective_bytes, collective_ops, while_bodies
-from jaxgpt.mesh import make_mesh
-from jaxgpt.pipeline import bubble_fraction, from_stage_major, to_stage_major
+from jaxgpt.parallel.mesh import make_mesh
+from jaxgpt.parallel.pipeline import bubble_fraction, from_stage_major, to_stage_major
 from jaxgpt.plan import plan
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train

@@ -38,9 +38,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.evaluate.tasks import Task
-from jaxgpt.mesh import named
 from jaxgpt.model import compute_dtype, head_table
 from jaxgpt.model.loss import token_nats
+from jaxgpt.parallel.mesh import named
 
 MIN_BUCKET = 16
 

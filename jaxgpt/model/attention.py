@@ -33,11 +33,11 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
-from jaxgpt.manual import per_shard
-from jaxgpt.mesh import shard
 from jaxgpt.model.fp8 import linear
 from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, param
 from jaxgpt.model.positions import rope
+from jaxgpt.parallel.manual import per_shard
+from jaxgpt.parallel.mesh import shard
 
 KERNELS = ("auto", "xla", "cudnn")
 
@@ -76,7 +76,7 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     if impl not in ("xla", "cudnn"):
         raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
     attend = partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
-    if impl == "cudnn":  # each device attends over its own rows and heads (jaxgpt/manual.py: why)
+    if impl == "cudnn":  # each device attends over its own rows and heads (jaxgpt/parallel/manual.py: why)
         return per_shard(attend, ("batch", "seq", "act_heads", None), q_BTHK, k_BTHK, v_BTHK)
     return attend(q_BTHK, k_BTHK, v_BTHK)
 

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.mesh import shard
 from jaxgpt.model.attention import KV, Attention
 from jaxgpt.model.layers import MLP, STD, Norm, param
 from jaxgpt.model.moe import Experts, MoEStats, moe_mlp
+from jaxgpt.parallel.mesh import shard
 
 
 class MoE(nnx.Module):

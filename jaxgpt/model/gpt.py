@@ -62,12 +62,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgpt.config import ModelConfig
-from jaxgpt.mesh import shard
 from jaxgpt.model.attention import KV, KVCache
 from jaxgpt.model.blocks import Block, MoEGroup
 from jaxgpt.model.layers import STD, Norm, param
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.model.remat import REMAT_POLICIES
+from jaxgpt.parallel.mesh import shard
 
 
 class GPT(nnx.Module):
@@ -134,7 +134,7 @@ class GPT(nnx.Module):
 
     def run_blocks(self, x_BTD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
         """The stacked blocks (training, no cache), however many this module holds: all of them, or
-        one pipeline stage's (jaxgpt/pipeline.py). Returns (x, MoEStats averaged over the MoE
+        one pipeline stage's (jaxgpt/parallel/pipeline.py). Returns (x, MoEStats averaged over the MoE
         blocks, or None for a dense model)."""
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
             return block(x_BTD)

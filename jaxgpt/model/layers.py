@@ -16,9 +16,9 @@ from flax import nnx
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
-from jaxgpt.mesh import shard
 from jaxgpt.model.fp8 import linear
 from jaxgpt.model.moe import activate
+from jaxgpt.parallel.mesh import shard
 
 STD = 0.02
 

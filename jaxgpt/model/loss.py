@@ -45,9 +45,9 @@ import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
-from jaxgpt.mesh import MESH_AXES, RULES, shard
 from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.model.gpt import head_logits, softcap
+from jaxgpt.parallel.mesh import MESH_AXES, RULES, shard
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
 # (sequences x positions) per device. On a CPU, n_embd rows (at least 128): a chunk's logits

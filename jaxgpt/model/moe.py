@@ -56,8 +56,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.mesh import shard
 from jaxgpt.model.fp8 import linear
+from jaxgpt.parallel.mesh import shard
 
 
 class MoEStats(NamedTuple):

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxgpt.mesh import logical_to_spec
+from jaxgpt.parallel.mesh import logical_to_spec
 
 
 def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh, manual: set[str]) -> P:

@@ -3,7 +3,7 @@
 Mesh axes
 ---------
     pp    pipeline parallelism: the stacked blocks' `layers` axis is split into pp stages of
-          consecutive layers; micro-batches flow from stage to stage (jaxgpt/pipeline.py).
+          consecutive layers; micro-batches flow from stage to stage (jaxgpt/parallel/pipeline.py).
     dp    data parallel: the batch is split, parameters are replicated, gradients all-reduced.
     fsdp  ZeRO-3: the batch is split *and* every parameter (so its gradient and its AdamW moments)
           is split along its `embed` dimension; XLA all-gathers a weight just before use and
