@@ -132,7 +132,8 @@ class Lowered(NamedTuple):
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         started = time.perf_counter()
         compiled = self.lowered.compile(compiler_options)
-        return Compiled(compiled, *self[1:-1], self.seconds + time.perf_counter() - started)
+        return Compiled(compiled, self.state, self.batch, self.sizes, self.dtype, self.kernel, self.why,
+                        self.seconds + time.perf_counter() - started)
 
 
 def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Lowered:

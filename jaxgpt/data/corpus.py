@@ -211,11 +211,22 @@ class _CtrlC:
 
 
 @contextlib.contextmanager
+def _sigint(handler):
+    """SIGINT handled by `handler` within. Outside the main thread, which alone may change signal
+    handlers, as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
 def _ctrl_c_remembered():
     ctrl_c = _CtrlC()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread has handlers
-        yield ctrl_c
-        return
 
     def on_ctrl_c(signum, frame):
         ctrl_c.pressed = True
@@ -225,12 +236,11 @@ def _ctrl_c_remembered():
         if not (ctrl_c.pressed and report.exc_type is KeyboardInterrupt):
             previous_hook(report)
 
-    previous, previous_hook = signal.signal(signal.SIGINT, on_ctrl_c), sys.unraisablehook
-    sys.unraisablehook = unraisable
+    previous_hook, sys.unraisablehook = sys.unraisablehook, unraisable
     try:
-        yield ctrl_c
+        with _sigint(on_ctrl_c):
+            yield ctrl_c
     finally:
-        signal.signal(signal.SIGINT, previous)
         sys.unraisablehook = previous_hook
     ctrl_c.check()
 
@@ -240,15 +250,9 @@ def _spawn_pool(workers: int):
     the main process ignores SIGINT, a disposition exec keeps and Python's start-up leaves alone.
     (Set only by _worker_init, a worker still importing numpy when Ctrl-C lands would print its
     own traceback above the one line.) The main process ignores Ctrl-C only for the milliseconds
-    the fork + exec take; outside the main thread signal dispositions cannot change, so as is."""
-    start = lambda: multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)  # noqa: E731
-    if threading.current_thread() is not threading.main_thread():
-        return start()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        return start()
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    the fork + exec take."""
+    with _sigint(signal.SIG_IGN):
+        return multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
 
 
 def _tasks(texts: list[str]) -> list[list[str]]:
