@@ -7,19 +7,33 @@ the default run (16 x 128 x 50304) and 6.6 GB for gpt2-124m's 32-sequence micro-
 much again for their softmax and gradient. Materialised whole they dominate XLA's temporaries (GPU
 memory) and, on a CPU, the bytes each step allocates, faults in and frees.
 
-How. `chunked_cross_entropy` runs the tied head and the loss over C chunks of t positions in a
-`lax.scan`, and computes the gradients in the same pass (a `custom_vjp`, the idea of Liger's fused
-linear cross-entropy): per chunk, logits -> loss, dlogits = softmax - one_hot, dx = dlogits @ wte,
-dwte += dlogits^T x. The forward pass keeps dx [C, B, t, D] and dwte [V, D] as residuals and the
-backward pass only scales them by the incoming cotangent. Only one chunk's [B, t, V] exists at a
-time, and the FLOPs are autodiff's (no logits are recomputed, as a `jax.checkpoint`ed chunk would).
-Without differentiation (evaluation) only the loss is computed; `token_nats` is the same head
-and cross-entropy per position, [B, T], for sums over chosen positions (val bits per byte, a task
-choice's log-likelihood).
+How. The loss of a position is logsumexp(logits) - logit[label]. `chunked_cross_entropy` runs the
+tied head and the logsumexp over C chunks of t positions in a `lax.scan`, and computes the
+gradients in the same pass (a `custom_vjp`, the idea of Liger's fused linear cross-entropy): per
+chunk, logits -> lse, p = softmax, dx = p @ wte, dwte += p^T x. The forward pass keeps dx
+[C, B, t, D] and dwte [V, D] as residuals and the backward pass only scales them by the incoming
+cotangent. Only one chunk's [B, t, V] exists at a time, and the FLOPs are autodiff's (no logits
+are recomputed, as a `jax.checkpoint`ed chunk would). Without differentiation (evaluation) only
+the loss is computed; `token_nats` is the same head and cross-entropy per position, [B, T], for
+sums over chosen positions (val bits per byte, a task choice's log-likelihood).
+
+The label's term. `label_logits` takes logit[label] once for the whole batch, outside the loop, as
+the dot product of x with the label's row of the table, looked up as the input embedding is
+(`GPT.embed`: the same gather under every layout, the vocabulary kept on tp). Autodiff gives its
+gradient, the one-hot part of dlogits (-wte[label] into dx, a scatter-add of -x into dwte), so the
+loop's gradient is p alone. This is what makes a chunk cheap: the loop reads and writes each
+chunk's [B, t, V] as few times as XLA allows (on a CPU, where those passes dominate the step):
+    the logits GEMM writes it; the max and the sum of exp read it (each masking the vocabulary's
+    padding itself: a masked copy read by both would be one more write); p = exp(logits - lse)
+    is written once (in the compute dtype) and read by the dx and dwte GEMMs.
+dwte is accumulated as [D, V] (x^T @ p reads p in its own row-major layout; p^T @ x made XLA
+write a transposed copy of p every chunk) and transposed once after the loop. Measured on the
+default run's head alone (value_and_grad, 16 chunks of [128, 50304], one CPU device, 2-core Intel
+Xeon): 500 ms -> 375 ms per step; the whole step 640 ms -> 520 ms (docs/benchmarks.md).
 
 The head's table is whatever the caller passes: `wte` for the tied head (GPT-2's), `lm_head` with
 model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the logits are
-c * tanh(z / c) and dlogits picks up the factor 1 - (logits / c)^2, in the same pass.
+c * tanh(z / c) (the label's logit too), and p picks up the factor 1 - (logits / c)^2, in the same pass.
 
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
@@ -27,11 +41,10 @@ single chunk. Under FSDP the embedding table is gathered once, before the loop, 
 chunk (the same `shard` the input lookup uses). Precision follows the model: logits, softmax and
 the accumulated dwte in fp32, the two gradient matmuls in the compute dtype with fp32 accumulation.
 
-The label's logit is picked by comparing the vocabulary index with the label and summing, not by
-a gather: with the vocabulary split over tp that is Megatron's vocab-parallel cross-entropy (each
-shard sums its own slice, XLA adds one small all-reduce), XLA fuses the compare into the
-reduction, and it avoids a gather that XLA's partitioner cannot split inside the train step's dp
-`shard_map` when fsdp and tp are both > 1.
+With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
+reduces its own slice of the logits (XLA adds small all-reduces of [B, t] maxima and sums), and
+the label's row is gathered from the table, never from the [B, t, V] logits, a gather that XLA's
+partitioner cannot split inside the train step's dp `shard_map` when fsdp and tp are both > 1.
 """
 
 from __future__ import annotations
@@ -41,12 +54,11 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
-from jaxgpt.model.gpt import head_logits, softcap
+from jaxgpt.model.gpt import softcap
 from jaxgpt.parallel.mesh import MESH_AXES, RULES, shard
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
@@ -85,24 +97,32 @@ def _rows_per_device(B: int) -> int:
     return max(1, B // math.prod(mesh.shape[a] for a in axes))
 
 
-def _cross_entropy(logits_BTV: jax.Array, labels_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(fp32 cross-entropy summed per sequence [B], logsumexp [B, T], label mask [B, T, V]);
-    vocab-parallel, no gather. Per-sequence sums keep the chunk loop free of a cross-device
-    reduction: the batch axis stays split until the sum after the loop."""
-    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    is_label_BTV = jnp.arange(logits_BTV.shape[-1]) == labels_BT[..., None]
-    label_logit_BT = jnp.sum(jnp.where(is_label_BTV, logits_BTV, 0.0), axis=-1)
-    return jnp.sum(lse_BT - label_logit_BT, axis=-1), lse_BT, is_label_BTV
+def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype,
+                 cap: float = 0.0) -> jax.Array:
+    """fp32 logit of each position's label [B, T]: the head's dot product for that one row of the
+    table, read by a lookup as the input embedding's is (`GPT.embed`), so no pass over [B, T, V]
+    picks it out. The operands are rounded to the compute dtype as the head's GEMM rounds them, and
+    the products summed in fp32 (with model.fp8_head too: the label's term stays exact); its
+    gradient (a scatter-add of x into the label rows) is autodiff's."""
+    rows_BTD = shard(table_VD, "vocab", None)[labels_BT]
+    z_BT = jnp.sum(x_BTD.astype(dtype).astype(jnp.float32) * rows_BTD.astype(dtype).astype(jnp.float32), axis=-1)
+    return softcap(z_BT, cap)
+
+
+def _chunks(x_BTD: jax.Array, t: int) -> jax.Array:
+    """[B, T, D] -> [C, B, t, D], the chunk loop's order."""
+    B, T, D = x_BTD.shape
+    return shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
 
 
 def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
                           dtype: jnp.dtype) -> jax.Array:
     """Mean cross-entropy of the tied head on final features x [B, T, D] (after ln_f)."""
-    B, T, D = x_BTD.shape
+    B, T, _ = x_BTD.shape
     t = chunk_positions(cfg, _rows_per_device(B))
-    x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
-    labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
-    return _head_loss(x_CBtD, wte_VD, labels_CBt, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap) / (B * T)
+    lse = _head_lse(_chunks(x_BTD, t), wte_VD, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap)
+    label = jnp.sum(label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap))
+    return (lse - label) / (B * T)
 
 
 def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
@@ -110,22 +130,17 @@ def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: M
     """fp32 cross-entropy of every position [B, T] (evaluation: no gradient), the head applied a
     chunk at a time like `chunked_cross_entropy`; its sum over all positions is that function's
     loss times B*T (up to summation order)."""
-    B, T, D = x_BTD.shape
+    B, T, _ = x_BTD.shape
     t = chunk_positions(cfg, _rows_per_device(B), T)
-    x_CBtD = shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
-    labels_CBt = labels_BT.reshape(B, T // t, t).swapaxes(0, 1)
     head = _Head(wte_VD, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap)
 
     @jax.named_scope("head")
-    def body(_, chunk):
-        x_BtD, labels_Bt = chunk
-        logits_BtV = head.logits(x_BtD)[0]
-        lse_Bt = jax.nn.logsumexp(logits_BtV, axis=-1)
-        is_label_BtV = jnp.arange(logits_BtV.shape[-1]) == labels_Bt[..., None]
-        return None, lse_Bt - jnp.sum(jnp.where(is_label_BtV, logits_BtV, 0.0), axis=-1)
+    def body(_, x_BtD):
+        return None, head.lse(head.logits(x_BtD)[0])
 
-    nats_CBt = jax.lax.scan(body, None, (x_CBtD, labels_CBt))[1]
-    return nats_CBt.swapaxes(0, 1).reshape(B, T)
+    lse_CBt = jax.lax.scan(body, None, _chunks(x_BTD, t))[1]
+    lse_BT = lse_CBt.swapaxes(0, 1).reshape(B, T)
+    return lse_BT - label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap)
 
 
 class _Head:
@@ -135,18 +150,37 @@ class _Head:
     def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool, cap: float):
         self.vocab_size, self.dtype, self.fp8, self.cap = vocab_size, dtype, fp8, cap
         self.wte_VD = _gathered(wte_VD, dtype)
+        self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
         if fp8:
             self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
 
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
-        """fp32 logits [B, t, V] of one chunk, and what its gradient GEMMs reuse (x in e4m3)."""
+        """fp32 logits [B, t, V] of one chunk, soft-capped, the padding columns left as computed
+        (`lse` and `softmax` mask them in their own passes), and what the gradient GEMMs reuse."""
         if not self.fp8:
-            return head_logits(x_BtD, self.wte_VD, self.vocab_size, self.dtype, self.cap), (x_BtD.astype(self.dtype), None)
-        x_q_BtD, s_x = quantize(x_BtD, E4M3)
-        logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, jnp.float32)
-        logits_BtV = shard(softcap(logits_BtV, self.cap), "batch", "seq", "act_vocab")
-        is_real_V = jnp.arange(self.wte_VD.shape[0]) < self.vocab_size
-        return jnp.where(is_real_V, logits_BtV, -jnp.inf), (x_q_BtD, s_x)
+            x_BtD = x_BtD.astype(self.dtype)
+            logits_BtV = jnp.einsum("btd,vd->btv", x_BtD, self.wte_VD, preferred_element_type=jnp.float32)
+            saved = (x_BtD, None)
+        else:
+            x_q_BtD, s_x = quantize(x_BtD, E4M3)
+            logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, jnp.float32)
+            saved = (x_q_BtD, s_x)
+        return shard(softcap(logits_BtV, self.cap), "batch", "seq", "act_vocab"), saved
+
+    def lse(self, logits_BtV: jax.Array) -> jax.Array:
+        """logsumexp over the real vocabulary [B, t]. The padding mask is applied inside the max and
+        the sum, each its own fused pass, not written out as masked logits that both then read
+        (one whole pass over [B, t, V] less: XLA:CPU materialises an intermediate with two readers)."""
+        m_Bt = jnp.max(jnp.where(self.is_real_V, logits_BtV, -jnp.inf), axis=-1)
+        total_Bt = jnp.sum(jnp.where(self.is_real_V, jnp.exp(logits_BtV - m_Bt[..., None]), 0.0), axis=-1)
+        return m_Bt + jnp.log(total_Bt)
+
+    def softmax(self, logits_BtV: jax.Array, lse_Bt: jax.Array) -> jax.Array:
+        """p = softmax(logits) over the real vocabulary (0 on the padding), times the soft-cap's
+        derivative d(c tanh(z/c))/dz = 1 - (capped/c)^2 when there is one: dloss/dlogits less the
+        label's one-hot, which `label_logits` contributes."""
+        p_BtV = jnp.where(self.is_real_V, jnp.exp(logits_BtV - lse_Bt[..., None]), 0.0)
+        return p_BtV * (1 - jnp.square(logits_BtV / self.cap)) if self.cap else p_BtV
 
     def grads(self, dlogits_BtV: jax.Array, x_saved: tuple, S: int) -> tuple[jax.Array, jax.Array]:
         """(dx [B, t, D] = dlogits @ wte, dwte per batch shard [S, V, D] = dlogits^T x), fp32."""
@@ -156,57 +190,52 @@ class _Head:
         x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
         if not self.fp8:
             dx_BtD = jnp.einsum("btv,vd->btd", dlogits_BtV, self.wte_VD, preferred_element_type=jnp.float32)
-            return dx_BtD, jnp.einsum("sbtv,sbtd->svd", dlogits_SbtV, x_SbtD, preferred_element_type=jnp.float32)
+            return dx_BtD, jnp.einsum("sbtd,sbtv->sdv", x_SbtD, dlogits_SbtV, preferred_element_type=jnp.float32)
         dlogits_q_BtV, s_d = quantize(dlogits_BtV, E5M2)  # one scale for the chunk, as x's
         dlogits_q_SbtV = shard(dlogits_q_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
         dx_BtD = scaled_dot("btv,vd->btd", dlogits_q_BtV, s_d, self.wte_q_VD, self.s_wte, jnp.float32)
-        return dx_BtD, scaled_dot("sbtv,sbtd->svd", dlogits_q_SbtV, s_d, x_SbtD, s_x, jnp.float32)
+        return dx_BtD, scaled_dot("sbtd,sbtv->sdv", x_SbtD, s_x, dlogits_q_SbtV, s_d, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _head_loss(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8, cap):
-    """Summed loss over the chunks (the primal: evaluation, no gradients)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _head_lse(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
+    """The logsumexp of the head's logits summed over every position (the primal: no gradients)."""
     head = _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
-    def body(_, chunk):
-        x_BtD, labels_Bt = chunk
-        return None, _cross_entropy(head.logits(x_BtD)[0], labels_Bt)[0]
+    def body(_, x_BtD):
+        return None, jnp.sum(head.lse(head.logits(x_BtD)[0]), axis=-1)
 
-    return jnp.sum(jax.lax.scan(body, None, (x_CBtD, labels_CBt))[1])
+    return jnp.sum(jax.lax.scan(body, None, x_CBtD)[1])
 
 
-def _head_loss_fwd(x_CBtD, wte_VD, labels_CBt, vocab_size, dtype, fp8, cap):
-    """The loss and, chunk by chunk, its gradients: dlogits = softmax - one_hot, then
-    dx = dlogits @ wte and dwte += dlogits^T x. Same FLOPs as autodiff, no recompute; the
-    gradients are the residuals, so the backward pass only scales them."""
-    B, t = x_CBtD.shape[1:3]
+def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
+    """The summed logsumexp and, chunk by chunk, its gradients: softmax p, then dx = p @ wte and
+    dwte += p^T x. Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the
+    backward pass only scales them."""
+    B = x_CBtD.shape[1]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
     param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")
-    def body(dwte_SVD, chunk):
-        x_BtD, labels_Bt = chunk
+    def body(dwte_SDV, x_BtD):
         logits_BtV, x_saved = head.logits(x_BtD)
-        loss_B, lse_Bt, is_label_BtV = _cross_entropy(logits_BtV, labels_Bt)
-        dlogits_BtV = jnp.exp(logits_BtV - lse_Bt[..., None]) - is_label_BtV
-        if cap:  # through the soft-cap: d(c tanh(z/c))/dz = 1 - (capped/c)^2; the -inf padding gets 0
-            dlogits_BtV = jnp.where(jnp.isfinite(logits_BtV), dlogits_BtV * (1 - jnp.square(logits_BtV / cap)), 0.0)
-        dlogits_BtV = dlogits_BtV.astype(dtype)
-        dlogits_BtV = shard(dlogits_BtV, "batch", "seq", "act_vocab")
-        dx_BtD, dwte_chunk_SVD = head.grads(dlogits_BtV, x_saved, S)
-        dwte_SVD = dwte_SVD + dwte_chunk_SVD
-        return shard(dwte_SVD, "batch", "vocab", None), (loss_B, dx_BtD.astype(x_BtD.dtype))
+        lse_Bt = head.lse(logits_BtV)
+        p_BtV = shard(head.softmax(logits_BtV, lse_Bt).astype(dtype), "batch", "seq", "act_vocab")
+        dx_BtD, dwte_chunk_SDV = head.grads(p_BtV, x_saved, S)
+        dwte_SDV = dwte_SDV + dwte_chunk_SDV
+        return shard(dwte_SDV, "batch", None, "vocab"), (jnp.sum(lse_Bt, axis=-1), dx_BtD.astype(x_BtD.dtype))
 
     # A [V, D] carry would be all-reduced over the batch axes in every chunk (GSPMD has no
     # partial-sum carry); one partial sum per batch shard, summed once after the loop, is one
     # reduction per step. full_like keeps wte's type (dp-varying inside the dp shard_map).
-    zeros_SVD = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, *param_VD.shape)), "batch", "vocab", None)
-    dwte_SVD, (losses_CB, dx_CBtD) = jax.lax.scan(body, zeros_SVD, (x_CBtD, labels_CBt))
+    V, D = param_VD.shape
+    zeros_SDV = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, D, V)), "batch", None, "vocab")
+    dwte_SDV, (lse_CB, dx_CBtD) = jax.lax.scan(body, zeros_SDV, x_CBtD)
     # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
     # all-reduce of the whole table followed by a slice.
-    dwte_VD = shard(jnp.sum(dwte_SVD, axis=0).astype(param_VD.dtype), "vocab", "embed")
-    return jnp.sum(losses_CB), (dx_CBtD, dwte_VD, labels_CBt)
+    dwte_VD = shard(jnp.sum(dwte_SDV, axis=0).T.astype(param_VD.dtype), "vocab", "embed")
+    return jnp.sum(lse_CB), (dx_CBtD, dwte_VD)
 
 
 def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -215,10 +244,9 @@ def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return shard(wte_VD.astype(dtype), "vocab", None)
 
 
-def _head_loss_bwd(vocab_size, dtype, fp8, cap, residuals, g):
-    dx_CBtD, dwte_VD, labels_CBt = residuals
-    int_zero = np.zeros(labels_CBt.shape, jax.dtypes.float0)  # integer labels have no gradient
-    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, int_zero
+def _head_lse_bwd(vocab_size, dtype, fp8, cap, residuals, g):
+    dx_CBtD, dwte_VD = residuals
+    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD
 
 
-_head_loss.defvjp(_head_loss_fwd, _head_loss_bwd)
+_head_lse.defvjp(_head_lse_fwd, _head_lse_bwd)
