@@ -183,7 +183,7 @@ class _Head:
         return p_BtV * (1 - jnp.square(logits_BtV / self.cap)) if self.cap else p_BtV
 
     def grads(self, dlogits_BtV: jax.Array, x_saved: tuple, S: int) -> tuple[jax.Array, jax.Array]:
-        """(dx [B, t, D] = dlogits @ wte, dwte per batch shard [S, V, D] = dlogits^T x), fp32."""
+        """(dx [B, t, D] = dlogits @ wte, dwte transposed, per batch shard [S, D, V] = x^T dlogits), fp32."""
         x_BtD, s_x = x_saved
         B, t = x_BtD.shape[:2]
         dlogits_SbtV = shard(dlogits_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
@@ -211,7 +211,7 @@ def _head_lse(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
 
 def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
     """The summed logsumexp and, chunk by chunk, its gradients: softmax p, then dx = p @ wte and
-    dwte += p^T x. Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the
+    dwte^T += x^T p. Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the
     backward pass only scales them."""
     B = x_CBtD.shape[1]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
