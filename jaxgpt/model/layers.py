@@ -55,16 +55,21 @@ class Norm(nnx.Module):
         self.rms = cfg.norm == "rmsnorm" if rms is None else rms
         self.scale = param(rngs, (d,), (axis,), 0) if cfg.norm_scale else None
         self.bias = param(rngs, (d,), (axis,), None) if cfg.bias and not self.rms else None
+        self.flatten = axis == "embed"
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x = x_BTD.astype(jnp.float32)
+        # [B, T, D] is normalised as [B*T, D] (B and T are one axis to the layout: T is never split).
+        # Over [B, T, D] the backward pass sums the scale's and bias's gradients over two axes, and
+        # XLA:GPU laid that out by transposing the activations to [T, D, B] and back, fp32, in every
+        # block: gpt2-124m on one H100, predicted 1,309 -> 1,209 ms a step (jaxgpt.plan --target h100).
+        x = (x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD).astype(jnp.float32)
         if self.rms:
             y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-5)
         else:
             mean = x.mean(-1, keepdims=True)
             y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5)
         y = y if self.scale is None else y * self.scale[...]
-        return add_bias(y, self.bias).astype(x_BTD.dtype)
+        return add_bias(y, self.bias).astype(x_BTD.dtype).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):
