@@ -277,3 +277,17 @@ def test_gelu_backward_recomputes_the_autodiff_gradient():
     ours_bf16 = jax.grad(lambda h: jnp.sum(gelu_tanh(h) * w16))(h16)
     ours_fp32 = jax.grad(lambda h: jnp.sum(gelu_tanh(h) * w16.astype(jnp.float32)))(h16.astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(ours_bf16, np.float32), np.asarray(ours_fp32), rtol=2.0 ** -8, atol=0)
+
+
+def test_online_logsumexp_matches_two_passes():
+    """The fused loss's one-pass logsumexp (model/loss.py online_lse, what a GPU runs) against
+    jax.nn.logsumexp on the head's shape: rows at several scales (the running max grows and
+    rescales the sum), the vocabulary padding at -inf, a row of only -inf (-inf, not NaN) and a
+    logit of 1e30 (the sum of exp of the others vanishes, no overflow). Equal to fp32 rounding of
+    the largest logit: 1e-6 relative."""
+    from jaxgpt.model.loss import online_lse
+    x = jax.random.normal(jax.random.key(0), (4, 8, 50304)) * jnp.array([0.1, 1.0, 10.0, 100.0])[:, None, None]
+    x = x.at[..., 50257:].set(-jnp.inf).at[0, 0].set(-jnp.inf).at[1, 1, 5].set(1e30)
+    ours, reference = np.asarray(jax.jit(online_lse)(x)), np.asarray(jax.jit(jax.nn.logsumexp, static_argnums=1)(x, -1))
+    assert ours[0, 0] == -np.inf and ours[1, 1] == 1e30
+    np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=0)
