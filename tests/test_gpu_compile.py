@@ -219,6 +219,20 @@ def test_plan_command_for_8_h100():
 
 
 @needs_plugin
+def test_gpt2_124m_under_dp_fsdp_tp_compiles_for_8_h100():
+    """gpt2-124m's shapes (one layer) under dp=2,fsdp=2,tp=2 with 32 sequences per device: XLA:GPU's
+    partitioner aborted the process (a CHECK in ExpandDeviceGroupsWithIota, from PartitionGather)
+    on the token and label lookups from the vocab-split table inside the dp shard_map; the tiny
+    model's smaller batches took another gather strategy and compiled. The lookups now read the
+    table whole (gathered over tp too). In a subprocess: an abort would end the test session."""
+    proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
+                           "--config", "gpt2-124m", "--mesh", "dp=2,fsdp=2,tp=2", "model.n_layer=1",
+                           "train.grad_accum=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "predicted step time on NVIDIA H100" in proc.stdout
+
+
+@needs_plugin
 def test_remat_auto_takes_the_least_recompute_that_fits(h100s):
     """A device one byte smaller than the no-remat step needs: auto compiles 'none', sees that it
     does not fit, and takes the next policy that does."""

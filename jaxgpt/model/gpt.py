@@ -124,8 +124,11 @@ class GPT(nnx.Module):
 
     def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`."""
-        # The lookup reads whole rows: gather the table's fsdp shards first (ZeRO-3), keep vocab on tp.
-        wte_VD = shard(self.wte[...], "vocab", None)
+        # The lookup reads the table whole: gathered over fsdp (ZeRO-3) and over tp too. With the
+        # vocabulary left split over tp, XLA:GPU's partitioner aborted the process partitioning this
+        # gather inside the train step's dp shard_map at gpt2-124m's batch sizes under dp x fsdp x tp
+        # (tests/test_gpu_compile.py); the tp gather is one table's worth of bytes per micro-batch.
+        wte_VD = shard(self.wte[...], None, None)
         x_BTD = wte_VD[tokens_BT]
         if self.cfg.position == "learned":
             x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
