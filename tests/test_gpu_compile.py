@@ -223,8 +223,9 @@ def test_gpt2_124m_under_dp_fsdp_tp_compiles_for_8_h100():
     """gpt2-124m's shapes (one layer) under dp=2,fsdp=2,tp=2 with 32 sequences per device: XLA:GPU's
     partitioner aborted the process (a CHECK in ExpandDeviceGroupsWithIota, from PartitionGather)
     on the token and label lookups from the vocab-split table inside the dp shard_map; the tiny
-    model's smaller batches took another gather strategy and compiled. The lookups now read the
-    table whole (gathered over tp too). In a subprocess: an abort would end the test session."""
+    model's smaller batches took another gather strategy and compiled. Where fsdp and tp are both
+    > 1 the lookups now read the table whole (model/gpt.py lookup_table). In a subprocess: an abort
+    would end the test session."""
     proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
                            "--config", "gpt2-124m", "--mesh", "dp=2,fsdp=2,tp=2", "model.n_layer=1",
                            "train.grad_accum=4"], cwd=REPO, capture_output=True, text=True, timeout=300)

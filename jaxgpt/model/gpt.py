@@ -124,12 +124,7 @@ class GPT(nnx.Module):
 
     def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`."""
-        # The lookup reads the table whole: gathered over fsdp (ZeRO-3) and over tp too. With the
-        # vocabulary left split over tp, XLA:GPU's partitioner aborted the process partitioning this
-        # gather inside the train step's dp shard_map at gpt2-124m's batch sizes under dp x fsdp x tp
-        # (tests/test_gpu_compile.py); the tp gather is one table's worth of bytes per micro-batch.
-        wte_VD = shard(self.wte[...], None, None)
-        x_BTD = wte_VD[tokens_BT]
+        x_BTD = lookup_table(self.wte[...])[tokens_BT]
         if self.cfg.position == "learned":
             x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
         x_BTD = x_BTD.astype(dtype)
@@ -176,6 +171,19 @@ class GPT(nnx.Module):
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
         head_VD = self.wte[...] if self.cfg.tie_embeddings else self.lm_head[...]
         return head_logits(self.ln_f(x_BTD), head_VD, self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
+
+
+def lookup_table(table_VD: jax.Array) -> jax.Array:
+    """The [V, D] table as the token lookup (and the loss's label lookup) reads it: whole rows, so
+    its fsdp shards are gathered (ZeRO-3), and V kept on tp, as Megatron's vocab-parallel
+    embedding, except where fsdp and tp are both > 1. There XLA:GPU's partitioner aborted the
+    process on this gather inside the train step's dp shard_map at gpt2-124m's batch sizes (a
+    CHECK in ExpandDeviceGroupsWithIota; tests/test_gpu_compile.py), so the table is read whole,
+    gathered over tp too: one table's worth of bytes more per micro-batch, in a layout that
+    gathers every weight anyway."""
+    mesh = jax.sharding.get_abstract_mesh()
+    whole = not mesh.empty and mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tp", 1) > 1
+    return shard(table_VD, None if whole else "vocab", None)
 
 
 def head_table(params: dict) -> jax.Array:

@@ -19,7 +19,7 @@ sums over chosen positions (val bits per byte, a task choice's log-likelihood).
 
 The label's term. `label_logits` takes logit[label] once for the whole batch, outside the loop, as
 the dot product of x with the label's row of the table, looked up as the input embedding is
-(`GPT.embed`: the same gather of the whole table under every layout). Autodiff gives its
+(`GPT.embed`, `lookup_table`: the same gather under every layout). Autodiff gives its
 gradient, the one-hot part of dlogits (-wte[label] into dx, a scatter-add of -x into dwte), so the
 loop's gradient is p alone. This is what makes a chunk cheap: the loop reads and writes each
 chunk's [B, t, V] as few times as XLA allows (on a CPU, where those passes dominate the step):
@@ -45,9 +45,9 @@ the accumulated dwte in fp32, the two gradient matmuls in the compute dtype with
 
 With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
 reduces its own slice of the logits (XLA adds small all-reduces of [B, t] maxima and sums), and
-the label's row is gathered from the table (whole, as the input lookup reads it), never from the
-[B, t, V] logits: XLA's partitioner cannot split a gather from an operand split over tp inside the
-train step's dp `shard_map` when fsdp and tp are both > 1.
+the label's row is gathered from the table (`lookup_table`, as the input lookup reads it), never
+from the [B, t, V] logits, a gather that XLA's partitioner cannot split inside the train step's dp
+`shard_map` when fsdp and tp are both > 1.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
-from jaxgpt.model.gpt import softcap
+from jaxgpt.model.gpt import lookup_table, softcap
 from jaxgpt.parallel.mesh import MESH_AXES, RULES, shard
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
@@ -107,7 +107,7 @@ def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dt
     picks it out. The operands are rounded to the compute dtype as the head's GEMM rounds them, and
     the products summed in fp32 (with model.fp8_head too: the label's term stays exact); its
     gradient (a scatter-add of x into the label rows) is autodiff's."""
-    rows_BTD = shard(table_VD, None, None)[labels_BT]
+    rows_BTD = lookup_table(table_VD)[labels_BT]
     z_BT = jnp.sum(x_BTD.astype(dtype).astype(jnp.float32) * rows_BTD.astype(dtype).astype(jnp.float32), axis=-1)
     return softcap(z_BT, cap)
 
