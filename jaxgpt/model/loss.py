@@ -40,7 +40,7 @@ c * tanh(z / c) (the label's logit too), and p picks up the factor 1 - (logits /
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
 single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
-chunk (the same `shard` the input lookup uses). Precision follows the model: logits, softmax and
+chunk (its fsdp shards, as the input lookup gathers them; V stays on tp). Precision follows the model: logits, softmax and
 the accumulated dwte in fp32, the two gradient matmuls in the compute dtype with fp32 accumulation.
 
 With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
@@ -191,9 +191,10 @@ class _Head:
         logits (a masked copy that the passes then read would be one more write). On a GPU in one
         pass (`online_lse`); on a CPU, where that pass's two exps per element cost more than the
         second read (the default run's head: 432 -> 781 ms), as a max and then a sum of exp."""
+        masked_BtV = jnp.where(self.is_real_V, logits_BtV, -jnp.inf)
         if self.online:
-            return online_lse(jnp.where(self.is_real_V, logits_BtV, -jnp.inf))
-        m_Bt = jnp.max(jnp.where(self.is_real_V, logits_BtV, -jnp.inf), axis=-1)
+            return online_lse(masked_BtV)
+        m_Bt = jnp.max(masked_BtV, axis=-1)
         total_Bt = jnp.sum(jnp.where(self.is_real_V, jnp.exp(logits_BtV - m_Bt[..., None]), 0.0), axis=-1)
         return m_Bt + jnp.log(total_Bt)
 
