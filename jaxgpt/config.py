@@ -108,6 +108,10 @@ class ModelConfig:
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
                     "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
                     "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))
+    scan_layers: bool = _f(True, "run the blocks as one scanned loop (compile time independent of depth); false "
+                           "unrolls it: longer compiles, but the backward pass reads each block's saved "
+                           "activations in place instead of through per-layer stacked copies (faster on GPU, "
+                           "above all with remat=none)")
     loss_chunk: int = _f(0, "positions per chunk of the fused head + cross-entropy: only [batch, chunk, vocab] "
                          "logits exist at a time; must divide seq_len; 0 = auto (at most max(128, n_embd) rows "
                          "per device on CPU, 8192 on GPU)", range=NONNEGATIVE)

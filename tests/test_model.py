@@ -120,6 +120,25 @@ def test_fused_chunked_loss_equals_whole_logits_autodiff(chunk):
                                rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_equal_scanned(remat):
+    """model.scan_layers=false (the blocks' loop unrolled, parameters still stacked) computes the
+    same loss and gradients as the scanned loop: the same ops in the same order, only XLA's
+    buffers differ, so 1e-6 absolute in fp32."""
+    results = []
+    for scan in ("true", "false"):
+        cfg = tiny_config(f"model.scan_layers={scan}", f"model.remat={remat}")
+        graphdef, params = nnx.split(_model(cfg), nnx.Param)
+        params = nnx.to_pure_dict(params)
+        batch_BT1 = jax.random.randint(jax.random.key(3), (4, cfg.model.seq_len + 1), 0, cfg.model.vocab_size)
+        results.append(jax.jit(jax.value_and_grad(loss_fn), static_argnums=(1, 3, 4))(
+            params, graphdef, batch_BT1, cfg.model, jnp.float32))
+    (loss_scan, g_scan), (loss_unrolled, g_unrolled) = results
+    np.testing.assert_allclose(float(loss_unrolled), float(loss_scan), rtol=0, atol=1e-6)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_unrolled)[0], jax.tree.leaves(g_scan)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6, err_msg=str(path))
+
+
 def test_auto_loss_chunk_bounds_rows_per_device():
     """model.loss_chunk=0: the largest divisor of seq_len within the CPU's max(128, n_embd) rows per device."""
     m = load_config(None, ["model.seq_len=128"]).model

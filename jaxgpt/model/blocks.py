@@ -82,11 +82,13 @@ class MoEGroup(nnx.Module):
         self.dense = make_dense(rngs) if cfg.moe_every > 1 else None  # one assignment: NNX fixes its kind
         self.moe = Block(cfg, rngs, moe=True)
 
-    def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None):
-        """Training: (x, MoEStats). Decoding (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
+    def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None,
+                 unroll: int | bool = 1):
+        """Training: (x, MoEStats); `unroll`: the dense blocks' scan's (model.scan_layers). Decoding
+        (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
         if kv is None:
             if self.dense is not None:
-                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+                @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
                 def run_dense(x_BTD: jax.Array, block: Block) -> jax.Array:
                     return apply_block(block, x_BTD)
 

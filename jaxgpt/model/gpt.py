@@ -42,7 +42,12 @@ A Llama-style block: x + attn(rmsnorm(x)) and x + swiglu(rmsnorm(x)), the same p
 
 Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_einsum`;
 `model.remat` recomputes each block's activations in the backward pass under a
-`jax.checkpoint` policy (remat.py: memory for FLOPs); `model.attention` picks the kernel
+`jax.checkpoint` policy (remat.py: memory for FLOPs); `model.scan_layers=false` unrolls the scan
+over the stacked blocks (the parameters stay stacked). Scanned, every activation the backward pass
+keeps from a block is written into an [L, ...] stack and read back out of it, a copy each way per
+layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
+predicted (remat=none, 4 micro-batches): 1,492 -> 956 ms a step; on a CPU no difference; compile
+time grows with depth (13.7 -> 22.5 s for gpt2-124m). `model.attention` picks the kernel
 (attention.py, beside the attention layer). The package docstring lists what each file holds.
 
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
@@ -141,16 +146,17 @@ class GPT(nnx.Module):
             raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
         if self.cfg.remat != "none":
             apply_block = nnx.remat(apply_block, policy=REMAT_POLICIES[self.cfg.remat])
+        unroll = 1 if self.cfg.scan_layers else True  # True: all of them
 
         if self.cfg.moe_experts:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
             def run_groups(x_BTD: jax.Array, group: MoEGroup):
-                return group(x_BTD, apply_block)
+                return group(x_BTD, apply_block, unroll=unroll)
 
             x_BTD, stats_G = run_groups(x_BTD, self.groups)
             return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_stack(x_BTD: jax.Array, block: Block) -> jax.Array:
             return apply_block(block, x_BTD)
 
