@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,14 +25,20 @@ TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.seq_len=3
         "model.loss_chunk=8"]  # the fused loss over 4 chunks in every layout (auto would take 1 here)
 
 
-def layer_loops(hlo: str, padded_vocab: int = 50304) -> list[str]:
+def layer_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list[str]:
     """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
-    are the ones that carry the [V, D] embedding gradient (jaxgpt/model/loss.py)."""
-    return [body for body in while_bodies(hlo) if f"[{padded_vocab}," not in body]
+    are the ones with a vocabulary-sized dimension (the [V, D] embedding gradient they carry, the
+    padded V or, where the loss takes the table's real rows on a CPU, the real one;
+    jaxgpt/model/loss.py)."""
+    return [body for body in while_bodies(hlo) if not _has_vocab_dim(body, padded_vocab, vocab)]
 
 
-def loss_loops(hlo: str, padded_vocab: int = 50304) -> list[str]:
-    return [body for body in while_bodies(hlo) if f"[{padded_vocab}," in body]
+def loss_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list[str]:
+    return [body for body in while_bodies(hlo) if _has_vocab_dim(body, padded_vocab, vocab)]
+
+
+def _has_vocab_dim(body: str, *sizes: int) -> bool:
+    return re.search(r"[\[,](%s)[\],]" % "|".join(map(str, sizes)), body) is not None
 
 
 def tiny_config(*overrides: str, mesh: str | None = None):

@@ -21,21 +21,28 @@ The label's term. `label_logits` takes logit[label] once for the whole batch, ou
 the dot product of x with the label's row of the table, looked up as the input embedding is
 (`GPT.embed`, `lookup_table`: the same gather under every layout). Autodiff gives its
 gradient, the one-hot part of dlogits (-wte[label] into dx, a scatter-add of -x into dwte), so the
-loop's gradient is p alone. This is what makes a chunk cheap: the loop reads and writes each
-chunk's [B, t, V] as few times as XLA allows (on a CPU, where those passes dominate the step):
-    the logits GEMM writes it; the logsumexp reads it, on a GPU once (`online_lse`: running max
-    and rescaled sum together; gpt2-124m on an H100 predicted 1,168 -> 1,131 ms a step), on a CPU
-    twice, max then sum of exp (one pass costs two exps per element there: 432 -> 781 ms), each
-    masking the vocabulary's padding itself (a masked copy read by both would be one more write);
-    p = exp(logits - lse) is written once (in the compute dtype) and read by the dx and dwte GEMMs.
-dwte is accumulated as [D, V] (x^T @ p reads p in its own row-major layout; p^T @ x made XLA
-write a transposed copy of p every chunk) and transposed once after the loop. Measured on the
+loop's gradient is the softmax p alone. This is what makes a chunk cheap: the loop reads and
+writes each chunk's [B, t, V] as few times as XLA allows (on a CPU, where those passes dominate the
+step):
+    the logits GEMM writes it; the max m and the sum s of exp(logits - m) read it, on a GPU in one
+    pass (`online_max_sum`: running max and rescaled sum together; gpt2-124m on an H100 predicted
+    1,168 -> 1,131 ms a step), on a CPU in two (one pass costs two exps per element there: 432 ->
+    781 ms): the max, then e = exp(logits - m), written once in the compute dtype, whose row sums
+    are s. lse = m + log s.
+    p = e / s is never written: the dx and dwte GEMMs read e, and the 1/s goes on their small
+    sides, dx = (e @ wte) / s and dwte^T += (x / s)^T e. Before, e's sum and p were two more
+    passes over the chunk on a CPU (the default run's head on a 2-core AMD EPYC: 583 -> 554 ms).
+    The vocabulary's padding: on a CPU with V whole on each device the loop takes the table's real
+    rows only (`_Head.trim`; its gradient's padding rows are 0), so no pass masks; otherwise each
+    pass masks the padding itself (a masked copy read by the others would be one more write).
+dwte is accumulated as [D, V] (x^T @ e reads e in its own row-major layout; e^T @ x made XLA
+write a transposed copy of it every chunk) and transposed once after the loop. Measured on the
 default run's head alone (value_and_grad, 16 chunks of [128, 50304], one CPU device, 2-core Intel
 Xeon): 500 ms -> 375 ms per step; the whole step 640 ms -> 520 ms (docs/benchmarks.md).
 
 The head's table is whatever the caller passes: `wte` for the tied head (GPT-2's), `lm_head` with
 model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the logits are
-c * tanh(z / c) (the label's logit too), and p picks up the factor 1 - (logits / c)^2, in the same pass.
+c * tanh(z / c) (the label's logit too), and e picks up the factor 1 - (logits / c)^2 after its sum is taken.
 
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
@@ -93,11 +100,7 @@ def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None
 def _rows_per_device(B: int) -> int:
     """Sequences per device of a batch of B inside jit: B over the batch's mesh axes that are not
     already split by hand (inside the train step's dp shard_map, B is one dp shard's)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return B
-    axes = [a for a in MESH_AXES if a in RULES["batch"] and a not in set(mesh.manual_axes)]
-    return max(1, B // math.prod(mesh.shape[a] for a in axes))
+    return max(1, B // _splits("batch"))
 
 
 def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype,
@@ -113,9 +116,16 @@ def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dt
 
 
 def online_lse(x: jax.Array) -> jax.Array:
-    """logsumexp over the last axis in one pass over x: a reduction of (running max m, sum s of
-    exp(x - m)) pairs, rescaling s whenever m grows (flash attention's online softmax). -inf entries
-    add nothing; a row of only -inf gives -inf, as logsumexp does."""
+    """logsumexp over the last axis in one pass over x (`online_max_sum`)."""
+    m, total = online_max_sum(x)
+    return m + jnp.log(total)
+
+
+def online_max_sum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(m, sum of exp(x - m)) over the last axis, m the maximum, in one pass over x: a reduction
+    of (running max, sum) pairs, rescaling the sum whenever the max grows (flash attention's online
+    softmax). -inf entries add nothing; a row of only -inf gives (-inf, 0), so m + log(sum) is -inf
+    as logsumexp is."""
     def combine(a: tuple, b: tuple) -> tuple:
         (m1, s1), (m2, s2) = a, b
         m = jnp.maximum(m1, m2)
@@ -123,8 +133,7 @@ def online_lse(x: jax.Array) -> jax.Array:
         return m, s1 * jnp.exp(m1 - shift) + s2 * jnp.exp(m2 - shift)
 
     x = x.astype(jnp.float32)
-    m, total = jax.lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0)), combine, (x.ndim - 1,))
-    return m + jnp.log(total)
+    return jax.lax.reduce((x, jnp.ones_like(x)), (jnp.float32(-jnp.inf), jnp.float32(0)), combine, (x.ndim - 1,))
 
 
 def _chunks(x_BTD: jax.Array, t: int) -> jax.Array:
@@ -163,19 +172,29 @@ def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: M
 
 class _Head:
     """The head's table as its GEMMs take it: in the compute dtype, or (model.fp8_head) in e4m3
-    with its per-tensor scale, quantized once per step before the chunk loop."""
+    with its per-tensor scale, quantized once per step before the chunk loop. On a CPU with the
+    vocabulary whole on each device, only its real rows (`trim`): no pass masks the padding."""
 
     def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool, cap: float):
         self.vocab_size, self.dtype, self.fp8, self.cap = vocab_size, dtype, fp8, cap
         self.wte_VD = _gathered(wte_VD, dtype)
-        self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
-        self.online = target_device().platform != "cpu"
+        platform = target_device().platform
+        self.online = platform != "cpu"
+        self.trim = platform == "cpu" and vocab_size < wte_VD.shape[0] and _splits("vocab") == 1
+        if self.trim:
+            self.wte_VD, self.is_real_V = self.wte_VD[:vocab_size], None
+        else:
+            self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
         if fp8:
             self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
 
+    def _real(self, a_BtV: jax.Array, padding: float) -> jax.Array:
+        """a with the vocabulary's padding columns set to `padding` (nothing to do when trimmed)."""
+        return a_BtV if self.is_real_V is None else jnp.where(self.is_real_V, a_BtV, padding)
+
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
         """fp32 logits [B, t, V] of one chunk, soft-capped, the padding columns left as computed
-        (`lse` and `softmax` mask them in their own passes), and what the gradient GEMMs reuse."""
+        (the passes over them mask them themselves), and what the gradient GEMMs reuse."""
         if not self.fp8:
             x_BtD = x_BtD.astype(self.dtype)
             logits_BtV = jnp.einsum("btd,vd->btv", x_BtD, self.wte_VD, preferred_element_type=jnp.float32)
@@ -186,38 +205,67 @@ class _Head:
             saved = (x_q_BtD, s_x)
         return shard(softcap(logits_BtV, self.cap), "batch", "seq", "act_vocab"), saved
 
-    def lse(self, logits_BtV: jax.Array) -> jax.Array:
-        """logsumexp over the real vocabulary [B, t], the padding masked inside each pass over the
-        logits (a masked copy that the passes then read would be one more write). On a GPU in one
-        pass (`online_lse`); on a CPU, where that pass's two exps per element cost more than the
-        second read (the default run's head: 432 -> 781 ms), as a max and then a sum of exp."""
-        masked_BtV = jnp.where(self.is_real_V, logits_BtV, -jnp.inf)
+    def max_sum(self, logits_BtV: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(m, sum of exp(logits - m)) over the real vocabulary [B, t], m the maximum. On a GPU in
+        one pass (`online_max_sum`); on a CPU, where that pass's two exps per element cost more
+        than a second read (the default run's head: 432 -> 781 ms), the max alone."""
         if self.online:
-            return online_lse(masked_BtV)
-        m_Bt = jnp.max(masked_BtV, axis=-1)
-        total_Bt = jnp.sum(jnp.where(self.is_real_V, jnp.exp(logits_BtV - m_Bt[..., None]), 0.0), axis=-1)
+            return online_max_sum(self._real(logits_BtV, -jnp.inf))
+        m_Bt = jnp.max(self._real(logits_BtV, -jnp.inf), axis=-1)
+        return m_Bt, None
+
+    def lse(self, logits_BtV: jax.Array) -> jax.Array:
+        """logsumexp over the real vocabulary [B, t]."""
+        m_Bt, total_Bt = self.max_sum(logits_BtV)
+        if total_Bt is None:
+            total_Bt = jnp.sum(self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0), axis=-1)
         return m_Bt + jnp.log(total_Bt)
 
-    def softmax(self, logits_BtV: jax.Array, lse_Bt: jax.Array) -> jax.Array:
-        """p = softmax(logits) over the real vocabulary (0 on the padding), times the soft-cap's
-        derivative d(c tanh(z/c))/dz = 1 - (capped/c)^2 when there is one: dloss/dlogits less the
-        label's one-hot, which `label_logits` contributes."""
-        p_BtV = jnp.where(self.is_real_V, jnp.exp(logits_BtV - lse_Bt[..., None]), 0.0)
-        return p_BtV * (1 - jnp.square(logits_BtV / self.cap)) if self.cap else p_BtV
+    def exp_weights(self, logits_BtV: jax.Array, m_Bt: jax.Array, total_Bt: jax.Array | None
+                    ) -> tuple[jax.Array, jax.Array]:
+        """(e [B, t, V] in the compute dtype, its fp32 row sums [B, t]): e = exp(logits - m) over the
+        real vocabulary (0 on the padding), times the soft-cap's derivative
+        d(c tanh(z/c))/dz = 1 - (capped/c)^2 when there is one, so that e / sum is dloss/dlogits
+        less the label's one-hot (which `label_logits` contributes). The sum is the one `max_sum`
+        gave, or (CPU) a read of e itself."""
+        e_BtV = self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0)
+        if total_Bt is None:
+            total_Bt = jnp.sum(e_BtV, axis=-1)
+        if self.cap:
+            e_BtV = e_BtV * (1 - jnp.square(logits_BtV / self.cap))
+        return shard(e_BtV.astype(self.dtype), "batch", "seq", "act_vocab"), total_Bt
 
-    def grads(self, dlogits_BtV: jax.Array, x_saved: tuple, S: int) -> tuple[jax.Array, jax.Array]:
-        """(dx [B, t, D] = dlogits @ wte, dwte transposed, per batch shard [S, D, V] = x^T dlogits), fp32."""
+    def grads(self, e_BtV: jax.Array, inv_Bt: jax.Array, x_saved: tuple, S: int) -> tuple[jax.Array, jax.Array]:
+        """The gradient GEMMs of dlogits = e * inv (inv = 1 / the row sums), without writing it:
+        dx [B, t, D] = (e @ wte) * inv and dwte transposed, per batch shard,
+        [S, D, V] = (x * inv)^T e; fp32."""
         x_BtD, s_x = x_saved
         B, t = x_BtD.shape[:2]
-        dlogits_SbtV = shard(dlogits_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
-        x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
+        e_SbtV = shard(e_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
         if not self.fp8:
-            dx_BtD = jnp.einsum("btv,vd->btd", dlogits_BtV, self.wte_VD, preferred_element_type=jnp.float32)
-            return dx_BtD, jnp.einsum("sbtd,sbtv->sdv", x_SbtD, dlogits_SbtV, preferred_element_type=jnp.float32)
-        dlogits_q_BtV, s_d = quantize(dlogits_BtV, E5M2)  # one scale for the chunk, as x's
+            xs_BtD = (x_BtD.astype(jnp.float32) * inv_Bt[..., None]).astype(x_BtD.dtype)
+            xs_SbtD = shard(xs_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
+            dx_BtD = jnp.einsum("btv,vd->btd", e_BtV, self.wte_VD, preferred_element_type=jnp.float32)
+            return dx_BtD * inv_Bt[..., None], jnp.einsum("sbtd,sbtv->sdv", xs_SbtD, e_SbtV,
+                                                          preferred_element_type=jnp.float32)
+        # fp8: e/sum quantized (as dlogits was before this form), the scale taking the row sums
+        # would need a per-row scale the scaled GEMM does not have.
+        p_BtV = e_BtV * inv_Bt[..., None].astype(e_BtV.dtype)
+        dlogits_q_BtV, s_d = quantize(p_BtV, E5M2)  # one scale for the chunk, as x's
         dlogits_q_SbtV = shard(dlogits_q_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
+        x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
         dx_BtD = scaled_dot("btv,vd->btd", dlogits_q_BtV, s_d, self.wte_q_VD, self.s_wte, jnp.float32)
         return dx_BtD, scaled_dot("sbtd,sbtv->sdv", x_SbtD, s_x, dlogits_q_SbtV, s_d, jnp.float32)
+
+
+def _splits(logical: str) -> int:
+    """How many ways the mesh (outside any manual axes) splits a logical axis; 1 without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = RULES[logical]
+    axes = (entry,) if isinstance(entry, str) else entry or ()
+    return math.prod(mesh.shape[a] for a in axes if a not in set(mesh.manual_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -233,9 +281,9 @@ def _head_lse(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
 
 
 def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
-    """The summed logsumexp and, chunk by chunk, its gradients: softmax p, then dx = p @ wte and
-    dwte^T += x^T p. Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the
-    backward pass only scales them."""
+    """The summed logsumexp and, chunk by chunk, its gradients: e = exp(logits - max) and its row
+    sums s, then dx = (e @ wte) / s and dwte^T += (x / s)^T e (p = e / s). Same GEMMs as autodiff,
+    no recompute; the gradients are the residuals, so the backward pass only scales them."""
     B = x_CBtD.shape[1]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
     param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8, cap)
@@ -243,21 +291,24 @@ def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
     @jax.named_scope("head")
     def body(dwte_SDV, x_BtD):
         logits_BtV, x_saved = head.logits(x_BtD)
-        lse_Bt = head.lse(logits_BtV)
-        p_BtV = shard(head.softmax(logits_BtV, lse_Bt).astype(dtype), "batch", "seq", "act_vocab")
-        dx_BtD, dwte_chunk_SDV = head.grads(p_BtV, x_saved, S)
+        m_Bt, total_Bt = head.max_sum(logits_BtV)
+        e_BtV, total_Bt = head.exp_weights(logits_BtV, m_Bt, total_Bt)
+        dx_BtD, dwte_chunk_SDV = head.grads(e_BtV, 1 / total_Bt, x_saved, S)
         dwte_SDV = dwte_SDV + dwte_chunk_SDV
+        lse_Bt = m_Bt + jnp.log(total_Bt)
         return shard(dwte_SDV, "batch", None, "vocab"), (jnp.sum(lse_Bt, axis=-1), dx_BtD.astype(x_BtD.dtype))
 
     # A [V, D] carry would be all-reduced over the batch axes in every chunk (GSPMD has no
     # partial-sum carry); one partial sum per batch shard, summed once after the loop, is one
     # reduction per step. full_like keeps wte's type (dp-varying inside the dp shard_map).
-    V, D = param_VD.shape
+    V, D = head.wte_VD.shape
     zeros_SDV = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, D, V)), "batch", None, "vocab")
     dwte_SDV, (lse_CB, dx_CBtD) = jax.lax.scan(body, zeros_SDV, x_CBtD)
     # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
-    # all-reduce of the whole table followed by a slice.
-    dwte_VD = shard(jnp.sum(dwte_SDV, axis=0).T.astype(param_VD.dtype), "vocab", "embed")
+    # all-reduce of the whole table followed by a slice. A trimmed table's padding rows get 0.
+    dwte_VD = jnp.sum(dwte_SDV, axis=0).T
+    dwte_VD = jnp.pad(dwte_VD, ((0, param_VD.shape[0] - V), (0, 0)))
+    dwte_VD = shard(dwte_VD.astype(param_VD.dtype), "vocab", "embed")
     return jnp.sum(lse_CB), (dx_CBtD, dwte_VD)
 
 
