@@ -113,7 +113,7 @@ class ModelConfig:
                            "activations in place instead of through per-layer stacked copies (faster on GPU, "
                            "above all with remat=none)")
     loss_chunk: int = _f(0, "positions per chunk of the fused head + cross-entropy: only [batch, chunk, vocab] "
-                         "logits exist at a time; must divide seq_len; 0 = auto (at most max(128, n_embd) rows "
+                         "logits exist at a time; must divide seq_len; 0 = auto (at most max(256, n_embd) rows "
                          "per device on CPU, 8192 on GPU)", range=NONNEGATIVE)
     moe_experts: int = _f(0, "experts E per Mixture-of-Experts block (0 = dense MLPs); parameter counts in the log "
                           "and MFU count the active parameters (moe_top_k of the E experts per token)",

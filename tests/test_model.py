@@ -140,14 +140,14 @@ def test_unrolled_layers_equal_scanned(remat):
 
 
 def test_auto_loss_chunk_bounds_rows_per_device():
-    """model.loss_chunk=0: the largest divisor of seq_len within the CPU's max(128, n_embd) rows per device."""
+    """model.loss_chunk=0: the largest divisor of seq_len within the CPU's max(256, n_embd) rows per device."""
     m = load_config(None, ["model.seq_len=128"]).model
-    assert chunk_positions(m, rows_per_device=16) == 8        # the default run on one device
-    assert chunk_positions(m, rows_per_device=2) == 64        # dp=8
-    assert chunk_positions(m, rows_per_device=1) == 128       # one chunk
+    assert chunk_positions(m, rows_per_device=16) == 16       # the default run on one device
+    assert chunk_positions(m, rows_per_device=4) == 64        # dp=4
+    assert chunk_positions(m, rows_per_device=2) == 128       # dp=8: one chunk
     assert chunk_positions(m, rows_per_device=1000) == 1
-    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=16) == 8
-    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=5) == 24
+    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=16) == 16
+    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=5) == 48
     wide = load_config(None, ["model.n_embd=768", "model.n_head=12", "model.seq_len=1024"]).model
     assert chunk_positions(wide, rows_per_device=1) == 512     # gpt2-124m, 1 x 1024: 768 rows -> 512
     assert chunk_positions(wide, rows_per_device=8) == 64

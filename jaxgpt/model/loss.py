@@ -72,15 +72,15 @@ from jaxgpt.model.gpt import lookup_table, softcap
 from jaxgpt.parallel.mesh import MESH_AXES, RULES, shard
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
-# (sequences x positions) per device. On a CPU, n_embd rows (at least 128): a chunk's logits
-# [rows, V] no larger than the [V, D] table gradient every chunk adds to. The default run (D 128):
-# 128 rows was the fastest chunk measured on a 2-core Intel Xeon (1,258 ms a step against 1,511 for
-# 512 rows and 2,102 for one chunk, issue 23) and as fast as 256-1,024 rows on a 2-core AMD EPYC,
-# where one chunk is 1.5x slower; gpt2-124m (D 768, 1 x 1024 tokens) on that AMD: 512 positions 4%
-# faster than 128 (docs/benchmarks.md, "CPU vs a PyTorch reference"). On a GPU, 8192 rows keep the
-# head's matmuls large while the logits of gpt2-124m's 32-sequence micro-batch shrink from 6.6 GB
-# to 1.6 GB.
-AUTO_CHUNK_ROWS = {"cpu": 128}
+# (sequences x positions) per device. On a CPU, 256 rows or n_embd if more. The default run (D 128)
+# on a 2-core AMD EPYC, with the gradient GEMMs reading e (no p pass): 256 rows 3,194 and 512 rows
+# 3,241 tokens/s against 2,928 for 128 rows, and 1,024 rows far slower (a step's arrays of
+# [rows, V] outgrow the caches); with the earlier loss, 128 rows had been the fastest on a 2-core
+# Intel Xeon (1,258 ms a step against 1,511 for 512 rows). gpt2-124m (D 768, 1 x 1024 tokens) on
+# that AMD: 512 positions 4% faster than 128 (docs/benchmarks.md, "CPU vs a PyTorch reference").
+# On a GPU, 8192 rows keep the head's matmuls large while the logits of gpt2-124m's 32-sequence
+# micro-batch shrink from 6.6 GB to 1.6 GB.
+AUTO_CHUNK_ROWS = {"cpu": 256}
 AUTO_CHUNK_ROWS_ACCELERATOR = 8192
 
 
