@@ -46,7 +46,7 @@ Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_
 over the stacked blocks (the parameters stay stacked). Scanned, every activation the backward pass
 keeps from a block is written into an [L, ...] stack and read back out of it, a copy each way per
 layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
-predicted (remat=none, 4 micro-batches): 1,492 -> 956 ms a step; on a CPU no difference; compile
+predicted (remat=none, 4 micro-batches): 1,930 -> 956 ms a step; on a CPU no difference; compile
 time grows with depth (13.7 -> 22.5 s for gpt2-124m). `model.attention` picks the kernel
 (attention.py, beside the attention layer). The package docstring lists what each file holds.
 
