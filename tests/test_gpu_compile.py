@@ -6,7 +6,8 @@ every mesh (the cuDNN partitioner used to fail inside the dp shard_map: jaxgpt/p
 gradient all-reduce per step under dp, bf16 weight gathers and gradient reduce-scatters under fsdp,
 tp's all-reduces inside the layer loops, MoE's all-to-alls over ep, pp's collective-permutes inside
 the pipeline schedule's loop. The tiny model covers the layout matrix; gpt2-124m (2 of
-its 12 layers, everything else as configured, so compiling stays short) covers dp=8 and fsdp=8.
+its 12 layers, everything else as configured, so compiling stays short, and so with its layers
+unrolled, model.scan_layers=false) covers dp=8 and fsdp=8; the tiny layouts scan theirs.
 Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 
 from __future__ import annotations
@@ -142,8 +143,8 @@ def _gathered(text: str) -> list[tuple[str, str]]:
 @needs_plugin
 def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
     """gpt2-124m fsdp=8: every block weight matrix (QKV, attention-out, MLP in and out) is cast to
-    bf16 before it is gathered, half the bytes of fp32, and gradients leave the layer loop as
-    reduce-scatters (XLA:GPU; XLA:CPU writes all-reduce + slice)."""
+    bf16 before it is gathered, half the bytes of fp32, and gradients leave the micro-batch loop
+    as reduce-scatters (XLA:GPU; XLA:CPU writes all-reduce + slice)."""
     text, _ = gpt2["fsdp=8"]
     block = [dtype for dtype, dims in _gathered(text) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
     assert len(block) >= 4 and set(block) == {"bf16"}, block

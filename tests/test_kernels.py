@@ -280,10 +280,10 @@ def test_gelu_backward_recomputes_the_autodiff_gradient():
 
 
 def test_online_logsumexp_matches_two_passes():
-    """The fused loss's one-pass logsumexp (model/loss.py online_lse, what a GPU runs) against
-    jax.nn.logsumexp on the head's shape: rows at several scales (the running max grows and
-    rescales the sum), the vocabulary padding at -inf, a row of only -inf (-inf, not NaN) and a
-    logit of 1e30 (the sum of exp of the others vanishes, no overflow). Equal to fp32 rounding of
+    """The fused loss's one-pass logsumexp (model/loss.py online_lse over online_max_sum, the
+    reduction a GPU runs) against jax.nn.logsumexp on the head's shape: rows at several scales
+    (the running max grows and rescales the sum), the vocabulary padding at -inf, a row of only
+    -inf (-inf, not NaN) and a logit of 1e30 (the sum of exp of the others vanishes, no overflow). Equal to fp32 rounding of
     the largest logit: 1e-6 relative."""
     from jaxgpt.model.loss import online_lse
     x = jax.random.normal(jax.random.key(0), (4, 8, 50304)) * jnp.array([0.1, 1.0, 10.0, 100.0])[:, None, None]

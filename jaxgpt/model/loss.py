@@ -3,14 +3,14 @@
 Letters: B batch, T time, C chunks, t positions per chunk (T = C*t), D model width, V vocabulary.
 
 Why chunks. The head's fp32 logits [B, T, V] are the largest tensor of a GPT step: 412 MB for
-the default run (16 x 128 x 50304) and 6.6 GB for gpt2-124m's 32-sequence micro-batch, plus as
+the default run (16 x 128 x 50304) and 6.6 GB for a 32-sequence gpt2-124m micro-batch, plus as
 much again for their softmax and gradient. Materialised whole they dominate XLA's temporaries (GPU
 memory) and, on a CPU, the bytes each step allocates, faults in and frees.
 
 How. The loss of a position is logsumexp(logits) - logit[label]. `chunked_cross_entropy` runs the
 tied head and the logsumexp over C chunks of t positions in a `lax.scan`, and computes the
 gradients in the same pass (a `custom_vjp`, the idea of Liger's fused linear cross-entropy): per
-chunk, logits -> lse, p = softmax, dx = p @ wte, dwte += p^T x. The forward pass keeps dx
+chunk, logits -> lse and p = softmax, dx = p @ wte, dwte += p^T x. The forward pass keeps dx
 [C, B, t, D] and dwte [V, D] as residuals and the backward pass only scales them by the incoming
 cotangent. Only one chunk's [B, t, V] exists at a time, and the FLOPs are autodiff's (no logits
 are recomputed, as a `jax.checkpoint`ed chunk would). Without differentiation (evaluation) only
@@ -29,8 +29,9 @@ step):
     1,168 -> 1,131 ms a step), on a CPU in two (one pass costs two exps per element there: 432 ->
     781 ms): the max, then e = exp(logits - m), written once in the compute dtype, whose row sums
     are s. lse = m + log s.
-    p = e / s is never written: the dx and dwte GEMMs read e, and the 1/s goes on their small
-    sides, dx = (e @ wte) / s and dwte^T += (x / s)^T e. Before, e's sum and p were two more
+    p = e / s is never written (except with model.fp8_head, whose e5m2 quantization takes p):
+    the dx and dwte GEMMs read e, and the 1/s goes on their small sides, dx = (e @ wte) / s and
+    dwte^T += (x / s)^T e. Before, e's sum and p were two more
     passes over the chunk on a CPU (the default run's head on a 2-core AMD EPYC: 583 -> 554 ms).
     The vocabulary's padding: on a CPU with V whole on each device the loop takes the table's real
     rows only (`_Head.trim`; its gradient's padding rows are 0), so no pass masks; otherwise each
@@ -47,8 +48,9 @@ c * tanh(z / c) (the label's logit too), and e picks up the factor 1 - (logits /
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
 single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
-chunk (its fsdp shards, as the input lookup gathers them; V stays on tp). Precision follows the model: logits, softmax and
-the accumulated dwte in fp32, the two gradient matmuls in the compute dtype with fp32 accumulation.
+chunk (its fsdp shards, as the input lookup gathers them; V stays on tp). Precision follows the
+model: logits, max, row sums and the accumulated dwte in fp32; e and x / s rounded to the compute
+dtype for the two gradient matmuls, which accumulate in fp32.
 
 With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
 reduces its own slice of the logits (XLA adds small all-reduces of [B, t] maxima and sums), and
@@ -69,17 +71,17 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.model.gpt import lookup_table, softcap
-from jaxgpt.parallel.mesh import MESH_AXES, RULES, shard
+from jaxgpt.parallel.mesh import RULES, shard
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
 # (sequences x positions) per device. On a CPU, 256 rows or n_embd if more. The default run (D 128)
 # on a 2-core AMD EPYC, with the gradient GEMMs reading e (no p pass): 256 rows 3,194 and 512 rows
-# 3,241 tokens/s against 2,928 for 128 rows, and 1,024 rows far slower (a step's arrays of
-# [rows, V] outgrow the caches); with the earlier loss, 128 rows had been the fastest on a 2-core
-# Intel Xeon (1,258 ms a step against 1,511 for 512 rows). gpt2-124m (D 768, 1 x 1024 tokens) on
-# that AMD: 512 positions 4% faster than 128 (docs/benchmarks.md, "CPU vs a PyTorch reference").
-# On a GPU, 8192 rows keep the head's matmuls large while the logits of gpt2-124m's 32-sequence
-# micro-batch shrink from 6.6 GB to 1.6 GB.
+# 3,241 tokens/s against 2,928 for 128 rows (256 taken: as fast, and half the memory per pass),
+# and 1,024 rows far slower (a step's arrays of [rows, V] outgrow the caches). With the earlier
+# loss, 128 rows had been the fastest on a 2-core Intel Xeon (1,258 ms a step against 1,511 for
+# 512 rows). gpt2-124m (D 768, 1 x 1024 tokens) on that AMD: 512 positions 4% faster than 128
+# (docs/benchmarks.md, "CPU vs a PyTorch reference"). On a GPU, 8192 rows keep the head's matmuls
+# large while the logits of a 32-sequence gpt2-124m micro-batch shrink from 6.6 GB to 1.6 GB.
 AUTO_CHUNK_ROWS = {"cpu": 256}
 AUTO_CHUNK_ROWS_ACCELERATOR = 8192
 
@@ -182,9 +184,10 @@ class _Head:
         self.online = platform != "cpu"
         self.trim = platform == "cpu" and vocab_size < wte_VD.shape[0] and _splits("vocab") == 1
         if self.trim:
-            self.wte_VD, self.is_real_V = self.wte_VD[:vocab_size], None
-        else:
-            self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size
+            self.wte_VD = self.wte_VD[:vocab_size]
+        # None: no padding columns to mask (a trimmed table, or a vocabulary that needed none)
+        padded = self.wte_VD.shape[0] > vocab_size
+        self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size if padded else None
         if fp8:
             self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
 
@@ -193,8 +196,9 @@ class _Head:
         return a_BtV if self.is_real_V is None else jnp.where(self.is_real_V, a_BtV, padding)
 
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
-        """fp32 logits [B, t, V] of one chunk, soft-capped, the padding columns left as computed
-        (the passes over them mask them themselves), and what the gradient GEMMs reuse."""
+        """fp32 logits [B, t, V] of one chunk, soft-capped, and what the gradient GEMMs reuse. Any
+        padding columns (an untrimmed table) are left as computed: the passes over them mask
+        them themselves."""
         if not self.fp8:
             x_BtD = x_BtD.astype(self.dtype)
             logits_BtV = jnp.einsum("btd,vd->btv", x_BtD, self.wte_VD, preferred_element_type=jnp.float32)
@@ -248,8 +252,8 @@ class _Head:
             dx_BtD = jnp.einsum("btv,vd->btd", e_BtV, self.wte_VD, preferred_element_type=jnp.float32)
             return dx_BtD * inv_Bt[..., None], jnp.einsum("sbtd,sbtv->sdv", xs_SbtD, e_SbtV,
                                                           preferred_element_type=jnp.float32)
-        # fp8: e/sum quantized (as dlogits was before this form), the scale taking the row sums
-        # would need a per-row scale the scaled GEMM does not have.
+        # fp8: p = e / s quantized (as before this form): the dwte GEMM contracts over rows, so
+        # the row sums cannot be applied after it, and its scaled GEMM takes one scale per operand.
         p_BtV = e_BtV * inv_Bt[..., None].astype(e_BtV.dtype)
         dlogits_q_BtV, s_d = quantize(p_BtV, E5M2)  # one scale for the chunk, as x's
         dlogits_q_SbtV = shard(dlogits_q_BtV.reshape(S, B // S, t, -1), "batch", None, "seq", "act_vocab")
