@@ -34,7 +34,7 @@ step):
     dwte^T += (x / s)^T e. Before, e's sum and p were two more
     passes over the chunk on a CPU (the default run's head on a 2-core AMD EPYC: 583 -> 554 ms).
     The vocabulary's padding: on a CPU with V whole on each device the loop takes the table's real
-    rows only (`_Head.trim`; its gradient's padding rows are 0), so no pass masks; otherwise each
+    rows only (`_Head`; its gradient's padding rows are 0), so no pass masks; otherwise each
     pass masks the padding itself (a masked copy read by the others would be one more write).
 dwte is accumulated as [D, V] (x^T @ e reads e in its own row-major layout; e^T @ x made XLA
 write a transposed copy of it every chunk) and transposed once after the loop. Measured on the
@@ -62,7 +62,6 @@ from the [B, t, V] logits, a gather that XLA's partitioner cannot split inside t
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +70,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.fp8 import E4M3, E5M2, quantize, scaled_dot
 from jaxgpt.model.gpt import lookup_table, softcap
-from jaxgpt.parallel.mesh import RULES, shard
+from jaxgpt.parallel.mesh import shard, splits
 
 # model.loss_chunk=0: the most positions per chunk whose logits stay within this many rows
 # (sequences x positions) per device. On a CPU, 256 rows or n_embd if more. The default run (D 128)
@@ -102,7 +101,7 @@ def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None
 def _rows_per_device(B: int) -> int:
     """Sequences per device of a batch of B inside jit: B over the batch's mesh axes that are not
     already split by hand (inside the train step's dp shard_map, B is one dp shard's)."""
-    return max(1, B // _splits("batch"))
+    return max(1, B // splits("batch"))
 
 
 def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype,
@@ -175,25 +174,28 @@ def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: M
 class _Head:
     """The head's table as its GEMMs take it: in the compute dtype, or (model.fp8_head) in e4m3
     with its per-tensor scale, quantized once per step before the chunk loop. On a CPU with the
-    vocabulary whole on each device, only its real rows (`trim`): no pass masks the padding."""
+    vocabulary whole on each device, only its real rows: no pass masks the padding."""
 
     def __init__(self, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, fp8: bool, cap: float):
         self.vocab_size, self.dtype, self.fp8, self.cap = vocab_size, dtype, fp8, cap
         self.wte_VD = _gathered(wte_VD, dtype)
         platform = target_device().platform
         self.online = platform != "cpu"
-        self.trim = platform == "cpu" and vocab_size < wte_VD.shape[0] and _splits("vocab") == 1
-        if self.trim:
+        if platform == "cpu" and splits("vocab") == 1:  # trim: the real rows only
             self.wte_VD = self.wte_VD[:vocab_size]
         # None: no padding columns to mask (a trimmed table, or a vocabulary that needed none)
-        padded = self.wte_VD.shape[0] > vocab_size
-        self.is_real_V = jnp.arange(wte_VD.shape[0]) < vocab_size if padded else None
+        V = self.wte_VD.shape[0]
+        self.is_real_V = jnp.arange(V) < vocab_size if V > vocab_size else None
         if fp8:
             self.wte_q_VD, self.s_wte = quantize(self.wte_VD, E4M3)
 
     def _real(self, a_BtV: jax.Array, padding: float) -> jax.Array:
         """a with the vocabulary's padding columns set to `padding` (nothing to do when trimmed)."""
         return a_BtV if self.is_real_V is None else jnp.where(self.is_real_V, a_BtV, padding)
+
+    def _exp(self, logits_BtV: jax.Array, m_Bt: jax.Array) -> jax.Array:
+        """exp(logits - m) over the real vocabulary, 0 on any padding."""
+        return self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0)
 
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
         """fp32 logits [B, t, V] of one chunk, soft-capped, and what the gradient GEMMs reuse. Any
@@ -222,7 +224,7 @@ class _Head:
         """logsumexp over the real vocabulary [B, t]."""
         m_Bt, total_Bt = self.max_sum(logits_BtV)
         if total_Bt is None:
-            total_Bt = jnp.sum(self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0), axis=-1)
+            total_Bt = jnp.sum(self._exp(logits_BtV, m_Bt), axis=-1)
         return m_Bt + jnp.log(total_Bt)
 
     def exp_weights(self, logits_BtV: jax.Array, m_Bt: jax.Array, total_Bt: jax.Array | None
@@ -232,7 +234,7 @@ class _Head:
         d(c tanh(z/c))/dz = 1 - (capped/c)^2 when there is one, so that e / sum is dloss/dlogits
         less the label's one-hot (which `label_logits` contributes). The sum is the one `max_sum`
         gave, or (CPU) a read of e itself."""
-        e_BtV = self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0)
+        e_BtV = self._exp(logits_BtV, m_Bt)
         if total_Bt is None:
             total_Bt = jnp.sum(e_BtV, axis=-1)
         if self.cap:
@@ -260,16 +262,6 @@ class _Head:
         x_SbtD = shard(x_BtD.reshape(S, B // S, t, -1), "batch", None, "seq", "act_embed")
         dx_BtD = scaled_dot("btv,vd->btd", dlogits_q_BtV, s_d, self.wte_q_VD, self.s_wte, jnp.float32)
         return dx_BtD, scaled_dot("sbtd,sbtv->sdv", x_SbtD, s_x, dlogits_q_SbtV, s_d, jnp.float32)
-
-
-def _splits(logical: str) -> int:
-    """How many ways the mesh (outside any manual axes) splits a logical axis; 1 without a mesh."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    entry = RULES[logical]
-    axes = (entry,) if isinstance(entry, str) else entry or ()
-    return math.prod(mesh.shape[a] for a in axes if a not in set(mesh.manual_axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

@@ -113,6 +113,16 @@ def shard(x: jax.Array, *logical_axes: str | None) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, spec)
 
 
+def splits(logical: str) -> int:
+    """How many ways the current mesh splits a logical axis, leaving out the axes a `shard_map`
+    already splits by hand (as `shard` does); 1 without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    kept = _without(RULES[logical], set(mesh.manual_axes))
+    return int(np.prod([mesh.shape[a] for a in ((kept,) if isinstance(kept, str) else kept or ())]))
+
+
 def _without(entry: str | tuple[str, ...] | None, axes: set[str]) -> str | tuple[str, ...] | None:
     kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
     return kept or None
