@@ -128,10 +128,13 @@ class Lowered(NamedTuple):
     kernel: str
     why: str
     seconds: float         # tracing + lowering
+    target: str | None     # 'h100' or 'h200' for compile-only GPUs
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        from jaxgpt.gpu import target as gpu_target
         started = time.perf_counter()
-        compiled = self.lowered.compile(compiler_options)
+        options = {**(gpu_target.DEVICELESS_OPTIONS if self.target else {}), **(compiler_options or {})}
+        compiled = self.lowered.compile(options or None)
         return Compiled(compiled, self.state, self.batch, self.sizes, self.dtype, self.kernel, self.why,
                         self.seconds + time.perf_counter() - started)
 
@@ -160,7 +163,7 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
         state, batch = abstract_inputs(cfg, mesh, setup)
         with jax.set_mesh(mesh):
             lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
-    return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started)
+    return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target)
 
 
 def compile_step(cfg: Config, devices: Sequence, target: str | None = None,

@@ -52,7 +52,7 @@ def main() -> None:
         tokens = jax.ShapeDtypeStruct((scorer.rows, args.length), np.int32, sharding=scorer.batch_sharding)
         mask = jax.ShapeDtypeStruct((scorer.rows, args.length), np.bool_, sharding=scorer.batch_sharding)
         with jax.set_mesh(mesh):
-            compiled = scorer.step.lower(params, tokens, tokens, mask).compile()
+            compiled = scorer.step.lower(params, tokens, tokens, mask).compile(gpu_target.DEVICELESS_OPTIONS)
         dtype = np.dtype(compute_dtype(cfg.model.dtype)).name
     text = compiled.as_text()
     # forward only: a third of the train step's 6N + attention FLOPs per token
