@@ -119,9 +119,10 @@ def make_setup(cfg: Config, mesh: Mesh) -> Setup:
 
 
 # XLA:CPU spends most of compiling the init in LLVM's -O2 passes over the unrolled threefry rounds
-# of every parameter's draw: 2.0-3.1 s for the tests' tiny model, longer than its train step. At
-# -O1 it compiles in 0.5 s, and the parameters are bit for bit the same and drawn as fast (tiny
-# and gpt2-124m, measured on a 2-core AMD EPYC). Only the CPU's init: GPU builds are left as XLA has them.
+# of every parameter's draw on some CPUs: 2.0-3.1 s for the tests' tiny model on a 2-core AMD EPYC,
+# longer than its train step; at -O1 0.5-0.8 s (on a 2-core Intel Xeon 0.5-0.7 s at either level).
+# The parameters are bit for bit the same and drawn as fast (tiny, default and gpt2-124m, on both
+# CPUs). Only the CPU's init: GPU builds are left as XLA has them.
 _CPU_INIT_OPTIONS = {"xla_backend_optimization_level": 1}
 
 
