@@ -54,6 +54,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer
 from jaxgpt.evaluate.tasks import Task, load_tasks
 from jaxgpt.files import read_jsonl
+from jaxgpt.lock import DirLock
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
@@ -133,6 +134,15 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
     if layout_error:
         raise UserError(layout_error)
+    # One job per run dir (jaxgpt/lock.py): a second one would interleave metrics and checkpoints.
+    with DirLock(run_dir, "run dir", "wait for it to finish or stop it (the same command resumes), or "
+                 "pass another --run-dir", suffix=f".{jax.process_index()}"):
+        return _train(cfg, run_dir, devices, sizes, started)
+
+
+def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[str, int],
+           started: float) -> TrainState:
+    """`train` once the config is valid for the devices and the run dir is this job's."""
     dtype = compute_dtype(cfg.model.dtype)
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
     # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,

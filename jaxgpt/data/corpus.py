@@ -52,6 +52,7 @@ from jaxgpt.data.integrity import check_dir
 from jaxgpt.data.writer import META, STATE, SplitWriter, read_state, write_json_atomically
 from jaxgpt.errors import UserError
 from jaxgpt.files import writable_dir
+from jaxgpt.lock import DirLock
 
 FORMAT_VERSION = 1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16, as nanoGPT's FineWeb shards
@@ -104,6 +105,17 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     started = time.time()
     out_dir = writable_dir(Path(out_dir), "--out")  # before any output: a file there is one error line
     files = readers.find_inputs(inputs, exclude=out_dir)  # never the output of an earlier run
+    # One preparation per directory (jaxgpt/lock.py): a second one would append to the same shards.
+    with DirLock(out_dir, "--out", "wait for it to end, then run the same command again (it resumes, or finds "
+                 "the preparation done)"):
+        return _prepare(files, out_dir, text_field, separator, val_fraction, shard_tokens, workers,
+                        skip_bad_lines, progress, batch_chars, started)
+
+
+def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str | None, val_fraction: float,
+             shard_tokens: int, workers: int, skip_bad_lines: bool, progress: str, batch_chars: int,
+             started: float) -> dict:
+    """`prepare_corpus` once its arguments are checked and out_dir is this process's."""
     # One text file is one document: its val split is its last val_fraction of characters (README).
     tail = len(files) == 1 and readers.kind(files[0]) == "text" and separator is None
     reader = readers.Reader(files, text_field=text_field, separator=separator,

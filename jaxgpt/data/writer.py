@@ -36,8 +36,9 @@ from jaxgpt.errors import UserError
 STATE = ".prepare-state.json"
 META = "meta.json"
 # What a preparation writes before its first state: shards (partial or, for a tiny shard size,
-# finished) and the state's or meta.json's temporary file. A directory holding only these is free.
-_LEFTOVER = re.compile(r"(train|val)-\d{5}\.bin(\.partial)?|\.(\.prepare-state|meta)\.json\.tmp")
+# finished), the state's or meta.json's temporary file, and the lock (jaxgpt/lock.py). A directory
+# holding only these is free.
+_LEFTOVER = re.compile(r"(train|val)-\d{5}\.bin(\.partial)?|\.(\.prepare-state|meta)\.json\.tmp|\.jaxgpt\.lock")
 
 
 def shard_name(split: str, index: int) -> str:
