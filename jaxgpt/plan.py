@@ -105,6 +105,49 @@ def device_memory(device) -> int | None:
         return None
 
 
+def host_memory_available() -> int | None:
+    """Bytes this process can still allocate on the host: /proc/meminfo's MemAvailable, capped by
+    the cgroup's (a container's) memory.max less its memory.current; None where Linux does not say."""
+    available = []
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            available.append(1024 * int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]))
+    with contextlib.suppress(OSError, ValueError):
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        if limit != "max":
+            available.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+    return min(available) if available else None
+
+
+def check_host_memory(step, cfg: Config, mesh, setup) -> None:
+    """On a CPU, where the devices' memory is the host's and running out ends the process with no
+    word (the kernel's OOM killer), a UserError when the run cannot fit: first from the train
+    state's shapes (before compiling), then from XLA's memory analysis of `step` (the train loop's
+    own jitted step, so the compile is the one its first call reuses)."""
+    import jax
+
+    available = host_memory_available()
+    local = len(mesh.local_devices)
+    if available is None:
+        return
+    state, batch = abstract_inputs(cfg, mesh, setup)
+    state_bytes = per_device_bytes(state) * local
+    if state_bytes > available:
+        raise UserError(f"the train state alone (parameters and optimizer moments) needs {state_bytes / GIB:.1f} "
+                        f"GiB of host memory over {local} CPU device(s), but {available / GIB:.1f} GiB is "
+                        f"available; use a smaller model, an fsdp axis (each device then holds a shard of the "
+                        f"state, not a copy), or a machine with more memory")
+    with jax.set_mesh(mesh):
+        memory = memory_analysis(step.lower(state, batch).compile())
+    need = memory["peak"] * local
+    if need > available:
+        raise UserError(f"the train step needs {need / GIB:.1f} GiB of host memory over {local} CPU device(s) "
+                        f"(train state {state_bytes / GIB:.1f} GiB, the step's temporaries "
+                        f"{memory['temporaries'] * local / GIB:.1f} GiB), but {available / GIB:.1f} GiB is "
+                        f"available; use smaller micro-batches (train.grad_accum), model.remat=full, a smaller "
+                        f"model, or a machine with more memory")
+
+
 class Compiled(NamedTuple):
     compiled: Any          # jax.stages.Compiled of the train step (cannot run on compile-only GPUs)
     state: Any             # the abstract TrainState it takes

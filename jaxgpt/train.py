@@ -60,7 +60,7 @@ from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import device_memory, plan
+from jaxgpt.plan import check_host_memory, device_memory, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
@@ -167,12 +167,16 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
 
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        train_step = make_train_step(cfg, mesh, setup)
+        if devices[0].platform == "cpu":  # before anything is written: a run too big is one line, not the OOM killer
+            check_host_memory(train_step, cfg, mesh, setup)
     track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     stop = StopRequest()
     try:
         with jax.set_mesh(mesh):
-            setup = make_setup(cfg, mesh)
             state, data_state, resumed_from = _initial_state(cfg, setup, ckpt)
             start = int(state.step)
             if data_state is not None:
@@ -198,7 +202,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                     track.event("restart", step=start, **restart)
                 track.begin(start, run_info(cfg, run_dir, sizes, devices, dtype=np.dtype(dtype).name, kernel=kernel,
                                             kernel_reason=why, params=param_count(m), peak=peak), resumed_from)
-            loop = _Loop(cfg, setup, mesh, track, len(devices), peak, tasks)
+            loop = _Loop(cfg, setup, mesh, train_step, track, len(devices), peak, tasks)
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
         ckpt.wait()
         track.event("end", step=max(start, t.steps))
@@ -216,10 +220,10 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
 class _Loop:
     """The step loop: dispatch, deferred metrics, evaluation, checkpoints, stop requests."""
 
-    def __init__(self, cfg: Config, setup: Setup, mesh, track: Tracker, n_devices: int, peak: float | None,
+    def __init__(self, cfg: Config, setup: Setup, mesh, train_step, track: Tracker, n_devices: int, peak: float | None,
                  tasks: Sequence[Task] = ()):
         self.cfg, self.track, self.n_devices, self.peak = cfg, track, n_devices, peak
-        self.train_step = make_train_step(cfg, mesh, setup)
+        self.train_step = train_step  # make_train_step's, compiled ahead on a CPU (check_host_memory)
         self.eval_step = make_eval_step(cfg, mesh, setup)
         self.tasks = tasks  # scored with the micro-batch's rows, which training already fits in memory
         self.scorer = Scorer(setup.graphdef, cfg.model, mesh, cfg.train.batch_size // cfg.train.grad_accum)

@@ -43,6 +43,10 @@ def empty_data_dir(tmp_path_factory, shakespeare_dir):
     (["--mesh", "dp=8", "model.vocab_size=1000"], ["50257 tokens", "model.vocab_size"]),
     (["--mesh", "dp=8", "data.path=/nonexistent/data"], ["/nonexistent/data"]),
     (["--no-such-flag"], ["unrecognized arguments"]),
+    # Too big for the host (a CPU's devices share its memory): one line, not the OOM killer.
+    (["--mesh", "dp=8", *TINY, "model.n_embd=65536", "model.n_head=512"], ["the train state alone", "an fsdp axis"]),
+    (["--mesh", "dp=8", *TINY, "model.seq_len=16384", "model.n_head=16", "model.loss_chunk=0"],
+     ["the train step needs", "GiB of host memory over 8 CPU device(s)", "temporaries"]),
     (["--mesh", "pp=4,dp=2", "model.n_layer=6"], ["model.n_layer=6 does not split into pp x pipeline.repeats"]),
     (["--mesh", "pp=2,dp=4", "pipeline.microbatches=3"], ["pipeline.microbatches=3 is not a multiple of pp=2"]),
     (["--mesh", "pp=2,dp=4", "pipeline.repeat=2"], ["did you mean 'pipeline.repeats'"]),
@@ -50,7 +54,7 @@ def empty_data_dir(tmp_path_factory, shakespeare_dir):
 def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
     proc = run_cli("--run-dir", str(tmp_path / "run"), *args)
     _assert_one_line_error(proc, *fragments)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing ran
+    assert not (tmp_path / "run").exists()  # nothing ran, nothing was left behind
 
 
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
