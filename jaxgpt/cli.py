@@ -5,6 +5,7 @@ Exit codes (documented in the README):
     2  bad input the user can fix (config, mesh, data, ...): one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
     75 preempted (SIGTERM or Ctrl-C): a checkpoint was committed, re-run the same command to resume
+    130 Ctrl-C where there was nothing to save (starting up, a second Ctrl-C): one `interrupted` line
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from jaxgpt.errors import UserError
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED = 0, 2, 3, 75
+EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
 
 
 class Diverged(UserError):
@@ -44,4 +45,8 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (training: while validating)
+        lead = "\n" if sys.stderr.isatty() else ""  # off the line of the ^C
+        print(f"{lead}interrupted: nothing was saved", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     return EXIT_OK

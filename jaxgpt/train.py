@@ -33,7 +33,12 @@ through `jaxgpt.report`.
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # first: the process re-executes itself before importing JAX, not after
+    from jaxgpt import allocator as _allocator
+
+    _allocator.reexec()  # tcmalloc or glibc huge pages (jaxgpt/allocator.py)
+
+import argparse  # noqa: E402 (the re-exec above comes first)
 import json
 import math
 import sys
@@ -167,14 +172,18 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
 
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        train_step = make_train_step(cfg, mesh, setup)
-        if devices[0].platform == "cpu":  # before anything is written: a run too big is one line, not the OOM killer
-            check_host_memory(train_step, cfg, mesh, setup)
-    track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    stop = StopRequest()
+    stop = StopRequest()  # from here SIGTERM or Ctrl-C stops the run after its first step, compiling included
+    try:
+        with jax.set_mesh(mesh):
+            setup = make_setup(cfg, mesh)
+            train_step = make_train_step(cfg, mesh, setup)
+            if devices[0].platform == "cpu":  # before anything is written: a run too big is one line, not the OOM killer
+                check_host_memory(train_step, cfg, mesh, setup)
+        track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
+        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    except BaseException:
+        stop.close()
+        raise
     try:
         with jax.set_mesh(mesh):
             state, data_state, resumed_from = _initial_state(cfg, setup, ckpt)
@@ -319,5 +328,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    allocator.reexec()  # once, before JAX loads: tcmalloc or glibc huge pages (jaxgpt/allocator.py)
     sys.exit(main())

@@ -9,7 +9,7 @@ import pytest
 from helpers import TINY, read_metrics, run_cli
 
 from jaxgpt import allocator
-from jaxgpt.cli import EXIT_DIVERGED, EXIT_USER_ERROR
+from jaxgpt.cli import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USER_ERROR, run_main
 from jaxgpt.config import load_config
 
 
@@ -55,6 +55,15 @@ def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
     proc = run_cli("--run-dir", str(tmp_path / "run"), *args)
     _assert_one_line_error(proc, *fragments)
     assert not (tmp_path / "run").exists()  # nothing ran, nothing was left behind
+
+
+def test_ctrl_c_before_training_is_one_line(capsys):
+    """Ctrl-C while a command validates or compiles, before it has anything to save."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    assert run_main(interrupted, []) == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr() == ("", "interrupted: nothing was saved\n")
 
 
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
