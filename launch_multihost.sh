@@ -159,7 +159,8 @@ case "$mode" in
   local)
     [[ "$nlocal" =~ ^[1-9][0-9]*$ ]] || { echo "error: --local needs a process count" >&2; exit 2; }
     # One port for every attempt: restarted processes meet where the first ones did, as by hand.
-    port="${JAXGPT_PORT:-$(( 20000 + RANDOM % 20000 ))}"
+    # A port free now (the kernel's pick), so two local jobs on one machine never share one.
+    port="${JAXGPT_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
     pids=()
     trap 'stopping=1; kill "${pids[@]}" 2>/dev/null || true' INT TERM
     run_with_restarts "$port" "$@"
