@@ -6,6 +6,21 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+# `python -m jaxgpt.COMMAND` (argv[0] is "-m" while the package is imported to find the module): a
+# Ctrl-C that lands while the command is still importing (JAX takes a second or two), before any
+# handler of its own, is one line and exit 130 as later on (jaxgpt/cli.py), not a traceback
+# through the import machinery. Programs that import jaxgpt keep their own hook.
+if _sys.argv[:1] == ["-m"]:
+    def _interrupted(kind, value, tb, _default=_sys.excepthook):
+        if not issubclass(kind, KeyboardInterrupt):
+            return _default(kind, value, tb)
+        from jaxgpt.cli import _say_interrupted
+
+        _say_interrupted()
+        _os._exit(130)
+
+    _sys.excepthook = _interrupted
+
 # The `gpu-compile` extra installs JAX's CUDA plugin on machines without a GPU (to compile for
 # H100/H200 on paper). Left alone, JAX would then try to start CUDA and print a long "Unable to
 # load CUDA" traceback before falling back to the CPU, and loading the plugin prints absl lines
@@ -21,16 +36,3 @@ if (not _os.path.exists("/proc/driver/nvidia/version")
 
     _quiet.install()
 
-# `python -m jaxgpt.COMMAND` (argv[0] is "-m" while the package is imported to find the module): a
-# Ctrl-C that lands while the command is still importing (JAX takes a second or two), before any
-# handler of its own, is one line and exit 130 as later on (jaxgpt/cli.py), not a traceback
-# through the import machinery. Programs that import jaxgpt keep their own hook.
-if _sys.argv[:1] == ["-m"]:
-    def _interrupted(kind, value, tb, _default=_sys.excepthook):
-        if not issubclass(kind, KeyboardInterrupt):
-            return _default(kind, value, tb)
-        lead = "\n" if _sys.stderr.isatty() else ""  # off the line of the ^C
-        print(f"{lead}interrupted: nothing was saved", file=_sys.stderr, flush=True)
-        _os._exit(130)
-
-    _sys.excepthook = _interrupted

@@ -22,16 +22,27 @@ NOISE = ("All log messages before absl::InitializeLog() is called are written to
          "cudart_stub.cc", "Could not find cuda drivers on your machine")
 
 
+_saved: int | None = None  # the real stderr while fd 2 is captured
+
+
+def stderr_fd() -> int:
+    """The process's real stderr: fd 2, or its saved copy while JAX's import has fd 2 captured (a
+    line written from a signal handler that then exits must not land in the capture)."""
+    return 2 if _saved is None else _saved
+
+
 @contextmanager
 def _without_noise_on_fd2():
     sys.stderr.flush()
-    saved = os.dup(2)
+    global _saved
+    saved = _saved = os.dup(2)
     with tempfile.TemporaryFile() as captured:
         os.dup2(captured.fileno(), 2)
         try:
             yield
         finally:
             os.dup2(saved, 2)
+            _saved = None
             os.close(saved)
             captured.seek(0)
             text = captured.read().decode(errors="replace")

@@ -11,9 +11,12 @@ Exit codes (documented in the README):
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from jaxgpt import _quiet
 from jaxgpt.errors import UserError
 
 EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
@@ -45,8 +48,29 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:  # Ctrl-C before a command's own handling (training: while validating)
-        lead = "\n" if sys.stderr.isatty() else ""  # off the line of the ^C
-        print(f"{lead}interrupted: nothing was saved", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
+        _say_interrupted()
         return EXIT_INTERRUPTED
     return EXIT_OK
+
+
+INTERRUPTED = "interrupted; run the same command to start again (training resumes from its newest checkpoint, if any)"
+
+
+def _say_interrupted() -> None:
+    fd = _quiet.stderr_fd()  # not the capture of fd 2 that importing JAX may have in place
+    lead = "\n" if os.isatty(fd) else ""  # off the line of the ^C
+    sys.stderr.flush()
+    os.write(fd, f"{lead}{INTERRUPTED}\n".encode())
+
+
+def exit_on_ctrl_c() -> None:
+    """Until the command installs handlers of its own (training: jaxgpt/preemption.py), a Ctrl-C
+    ends the process at once with one line and exit 130. Set first thing, before JAX is imported:
+    a KeyboardInterrupt raised inside one of JAX's gc callbacks would be swallowed by Python
+    ("Exception ignored") and the command would go on."""
+    def handler(signum, frame):
+        _say_interrupted()
+        os._exit(EXIT_INTERRUPTED)
+
+    signal.signal(signal.SIGINT, handler)

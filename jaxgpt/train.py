@@ -35,8 +35,10 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # first: the process re-executes itself before importing JAX, not after
     from jaxgpt import allocator as _allocator
+    from jaxgpt import cli as _cli
 
     _allocator.reexec()  # tcmalloc or glibc huge pages (jaxgpt/allocator.py)
+    _cli.exit_on_ctrl_c()  # until training's own handlers (jaxgpt/preemption.py)
 
 import argparse  # noqa: E402 (the re-exec above comes first)
 import json

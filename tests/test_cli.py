@@ -9,7 +9,7 @@ import pytest
 from helpers import TINY, read_metrics, run_cli
 
 from jaxgpt import allocator
-from jaxgpt.cli import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USER_ERROR, run_main
+from jaxgpt.cli import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USER_ERROR, INTERRUPTED, run_main
 from jaxgpt.config import load_config
 
 
@@ -63,7 +63,7 @@ def test_ctrl_c_before_training_is_one_line(capsys):
         raise KeyboardInterrupt
 
     assert run_main(interrupted, []) == EXIT_INTERRUPTED == 130
-    assert capsys.readouterr() == ("", "interrupted: nothing was saved\n")
+    assert capsys.readouterr() == ("", f"{INTERRUPTED}\n")
 
 
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
