@@ -4,9 +4,13 @@ And one real end-to-end run on a 2 x 2 x 2 mesh writing metrics.jsonl."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from helpers import TINY, read_metrics, run_cli
+from helpers import REPO, TINY, read_metrics, run_cli
 
 from jaxgpt import allocator
 from jaxgpt.cli import EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_USER_ERROR, INTERRUPTED, run_main
@@ -57,13 +61,26 @@ def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
     assert not (tmp_path / "run").exists()  # nothing ran, nothing was left behind
 
 
-def test_ctrl_c_before_training_is_one_line(capsys):
+def test_ctrl_c_before_training_is_one_line(capfd):
     """Ctrl-C while a command validates or compiles, before it has anything to save."""
     def interrupted(argv):
         raise KeyboardInterrupt
 
     assert run_main(interrupted, []) == EXIT_INTERRUPTED == 130
-    assert capsys.readouterr() == ("", f"{INTERRUPTED}\n")
+    assert capfd.readouterr() == ("", f"{INTERRUPTED}\n")
+
+
+def test_ctrl_c_while_importing_is_one_line(tmp_path):
+    """A real Ctrl-C 0.5 s in, while the command imports JAX (about 1 s on 2 cores), when importing
+    has fd 2 captured (jaxgpt/_quiet.py): the line, exit 130, no run dir. Later, once training's
+    handlers are in, a Ctrl-C stops after the first step (test_checkpoint's preemption tests)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxgpt.train", "--run-dir", str(tmp_path / "run")], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # the handler is in at ~0.1 s, even where SIGINT came in ignored (a background job)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, out, err) == (EXIT_INTERRUPTED, "", f"{INTERRUPTED}\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
