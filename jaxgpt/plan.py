@@ -37,6 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from jaxgpt import files, hlo
@@ -113,9 +114,10 @@ def host_memory_available() -> int | None:
         with open("/proc/meminfo") as f:
             available.append(1024 * int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]))
     with contextlib.suppress(OSError, ValueError):
-        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        cgroup = Path("/sys/fs/cgroup")
+        limit = (cgroup / "memory.max").read_text().strip()
         if limit != "max":
-            available.append(int(limit) - int(open("/sys/fs/cgroup/memory.current").read()))
+            available.append(int(limit) - int((cgroup / "memory.current").read_text()))
     return min(available) if available else None
 
 
@@ -127,9 +129,9 @@ def check_host_memory(step, cfg: Config, mesh, setup) -> None:
     import jax
 
     available = host_memory_available()
-    local = len(mesh.local_devices)
     if available is None:
         return
+    local = len(mesh.local_devices)  # fake CPU devices each hold their own copy or shard
     state, batch = abstract_inputs(cfg, mesh, setup)
     state_bytes = per_device_bytes(state) * local
     if state_bytes > available:
