@@ -14,10 +14,9 @@ if _sys.argv[:1] == ["-m"]:
     def _interrupted(kind, value, tb, _default=_sys.excepthook):
         if not issubclass(kind, KeyboardInterrupt):
             return _default(kind, value, tb)
-        from jaxgpt.cli import _say_interrupted
+        from jaxgpt.cli import exit_interrupted
 
-        _say_interrupted()
-        _os._exit(130)
+        exit_interrupted()
 
     _sys.excepthook = _interrupted
 
@@ -35,4 +34,3 @@ if (not _os.path.exists("/proc/driver/nvidia/version")
     from jaxgpt import _quiet
 
     _quiet.install()
-

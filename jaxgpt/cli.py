@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from jaxgpt import _quiet
 from jaxgpt.errors import UserError
@@ -64,13 +65,15 @@ def _say_interrupted() -> None:
     os.write(fd, f"{lead}{INTERRUPTED}\n".encode())
 
 
+def exit_interrupted(*_) -> NoReturn:
+    """The line, then exit 130 at once (nothing to save, nothing to clean up)."""
+    _say_interrupted()
+    os._exit(EXIT_INTERRUPTED)
+
+
 def exit_on_ctrl_c() -> None:
     """Until the command installs handlers of its own (training: jaxgpt/preemption.py), a Ctrl-C
     ends the process at once with one line and exit 130. Set first thing, before JAX is imported:
     a KeyboardInterrupt raised inside one of JAX's gc callbacks would be swallowed by Python
     ("Exception ignored") and the command would go on."""
-    def handler(signum, frame):
-        _say_interrupted()
-        os._exit(EXIT_INTERRUPTED)
-
-    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGINT, exit_interrupted)

@@ -121,18 +121,18 @@ def host_memory_available() -> int | None:
     return min(available) if available else None
 
 
-def check_host_memory(step, cfg: Config, mesh, setup) -> None:
+def check_host_memory(step, state, batch, mesh) -> None:
     """On a CPU, where the devices' memory is the host's and running out ends the process with no
     word (the kernel's OOM killer), a UserError when the run cannot fit: first from the train
     state's shapes (before compiling), then from XLA's memory analysis of `step` (the train loop's
-    own jitted step, so the compile is the one its first call reuses)."""
+    own jitted step, so the compile is the one its first call reuses). state and batch: the
+    step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`)."""
     import jax
 
     available = host_memory_available()
     if available is None:
         return
     local = len(mesh.local_devices)  # fake CPU devices each hold their own copy or shard
-    state, batch = abstract_inputs(cfg, mesh, setup)
     state_bytes = per_device_bytes(state) * local
     if state_bytes > available:
         raise UserError(f"the train state alone (parameters and optimizer moments) needs {state_bytes / GIB:.1f} "

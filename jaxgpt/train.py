@@ -67,9 +67,9 @@ from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import check_host_memory, device_memory, plan
+from jaxgpt.plan import abstract_inputs, check_host_memory, device_memory, plan
 from jaxgpt.preemption import StopRequest
-from jaxgpt.step import Setup, TrainState, abstract_state, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
 
 
@@ -89,10 +89,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer) -> tuple[TrainState, dict | None, Path | None]:
+def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer,
+                   abstract: TrainState) -> tuple[TrainState, dict | None, Path | None]:
     """Resume this run, or start from another run's checkpoint, or initialise; (state, data state,
-    the checkpoint this run resumed from or None)."""
-    abstract = abstract_state(cfg, setup)
+    the checkpoint this run resumed from or None). abstract: the state's shapes and shardings."""
     restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")
@@ -178,9 +178,10 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     try:
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
+            abstract, abstract_batch = abstract_inputs(cfg, mesh, setup)  # restore targets, ahead-of-time compile
             train_step = make_train_step(cfg, mesh, setup)
             if devices[0].platform == "cpu":  # before anything is written: a run too big is one line, not the OOM killer
-                check_host_memory(train_step, cfg, mesh, setup)
+                check_host_memory(train_step, abstract, abstract_batch, mesh)
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     except BaseException:
@@ -188,7 +189,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
         raise
     try:
         with jax.set_mesh(mesh):
-            state, data_state, resumed_from = _initial_state(cfg, setup, ckpt)
+            state, data_state, resumed_from = _initial_state(cfg, setup, ckpt, abstract)
             start = int(state.step)
             if data_state is not None:
                 batches.set_state(data_state)
