@@ -466,7 +466,7 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")
     if cfg.checkpoint.init_from_hf:
-        from jaxgpt.hf_llama import architecture
+        from jaxgpt.hf.llama import architecture
         architecture(m)  # GPT-2 or Llama; one line naming the keys neither Hugging Face class holds
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "

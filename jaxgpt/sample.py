@@ -33,7 +33,7 @@ from jaxgpt import files
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
-from jaxgpt.hf_tokenizer import EOT_TEXT
+from jaxgpt.hf.tokenizer import EOT_TEXT
 from jaxgpt.model import KVCache, compute_dtype
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup

@@ -245,11 +245,11 @@ def test_non_finite_grad_norm_with_finite_loss_stops_with_one_line(tmp_path, cap
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.normal(0, 0.02, x.shape).astype(np.float32),
                           nnx.to_pure_dict(abstract_model(cfg)[1]))
-    tensors = hf.to_hf(params, cfg.model)
+    tensors = hf.gpt2.to_hf(params, cfg.model)
     tensors["transformer.ln_f.weight"] = np.full_like(tensors["transformer.ln_f.weight"], 1e20)
     (tmp_path / "hf").mkdir()
     save_file(tensors, tmp_path / "hf" / hf.WEIGHTS)
-    (tmp_path / "hf" / hf.CONFIG).write_text(json.dumps(hf.hf_config(cfg.model)))
+    (tmp_path / "hf" / hf.CONFIG).write_text(json.dumps(hf.gpt2.hf_config(cfg.model)))
     run = tmp_path / "run"
     code = main(["--run-dir", str(run), "--mesh", "dp=8", *TINY, "train.steps=3",
                  f"checkpoint.init_from_hf={tmp_path / 'hf'}"])

@@ -17,8 +17,8 @@ from safetensors.numpy import save_file
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.errors import UserError
-from jaxgpt.hf import (CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, export, from_hf, hf_config, load_dir,
-                       restore_params, to_hf)
+from jaxgpt.hf import CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, export, load_dir, restore_params
+from jaxgpt.hf.gpt2 import from_hf, hf_config, to_hf
 from jaxgpt.model import GPT
 from jaxgpt.step import abstract_model
 from jaxgpt.train import train
@@ -256,7 +256,7 @@ def test_import_makes_a_run_that_samples_exports_and_trains(model, tmp_path, cap
     assert int(state.step) == 1 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1]
 
 
-# --- Llama (jaxgpt/hf_llama.py) -------------------------------------------------------------------
+# --- Llama (jaxgpt/hf/llama.py) ------------------------------------------------------------------
 
 LLAMA = ["model.n_embd=64", "model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.mlp_hidden=96",
          "model.rope_theta=500.0"]  # a theta other than the default, so a wrong one shows
@@ -283,7 +283,7 @@ def llama(request):
 
 
 def test_llama_round_trip_is_exact(llama):
-    from jaxgpt import hf_llama
+    from jaxgpt.hf import llama as hf_llama
 
     cfg, _, params = llama
     m = cfg.model
@@ -367,7 +367,7 @@ def _hf_llama_logits(t: dict[str, np.ndarray], c: dict, tokens_BT: np.ndarray, r
 def test_llama_export_is_transformers_llama_and_rope_is_rotate_half(llama):
     """The exported tensors run through an independent NumPy LlamaForCausalLM (rotate-half RoPE) give
     our logits; with the q/k rows in Meta's order, or Meta's adjacent-pair RoPE, they do not."""
-    from jaxgpt import hf_llama
+    from jaxgpt.hf import llama as hf_llama
 
     cfg, graphdef, params = llama
     m = cfg.model
@@ -390,7 +390,7 @@ def test_llama_export_is_transformers_llama_and_rope_is_rotate_half(llama):
 def test_llama_attention_scores_use_rotate_half(llama):
     """One layer's q.k scores: attention.rope on our kernels == transformers' rotate-half RoPE on
     the exported q_proj/k_proj rows (!= Meta's adjacent-pair RoPE on them)."""
-    from jaxgpt import hf_llama
+    from jaxgpt.hf import llama as hf_llama
     from jaxgpt.model.positions import rope
 
     cfg, _, params = llama
@@ -417,7 +417,8 @@ LLAMA_3 = [*LLAMA, "model.n_kv_head=2", "model.tie_embeddings=false", "model.bia
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
     """An HF Llama directory (weights + config.json), `hf import`ed as a run, exported back."""
-    from jaxgpt import hf, hf_llama
+    from jaxgpt import hf
+    from jaxgpt.hf import llama as hf_llama
 
     cfg = tiny_config(*LLAMA_3)
     graphdef, params = _perturbed(cfg)
@@ -502,7 +503,7 @@ NANOCHAT = ["model.norm=rmsnorm", "model.norm_scale=false", "model.position=rope
     ([*LLAMA, "model.moe_experts=4"], "Hugging Face GPT-2 and Llama have no experts"),
 ])
 def test_llama_architecture_or_one_line_refusal(overrides, line):
-    from jaxgpt.hf_llama import architecture
+    from jaxgpt.hf.llama import architecture
 
     m = tiny_config(*overrides).model
     if line in ("gpt2", "llama"):
@@ -526,7 +527,7 @@ def test_llama_export_refuses_a_nanochat_model_in_one_line(tmp_path, capsys):
         state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
                              abstract_state(cfg, make_setup(cfg, mesh)))
         ckpt = Checkpointer(tmp_path / "run" / "checkpoints", cfg.checkpoint)
-        ckpt.save(0, state, hf._fresh_data_state(), cfg)
+        ckpt.save(0, state, hf.convert._fresh_data_state(), cfg)
         ckpt.wait()
         ckpt.close()
     capsys.readouterr()
@@ -542,7 +543,7 @@ def test_llama_config_json_both_spellings_and_one_line_mismatches(llama_dirs, tm
     """transformers 4's rope_theta and 5's rope_parameters read alike; what jaxgpt's Llama cannot be is named."""
     import shutil
 
-    from jaxgpt.hf_llama import model_overrides
+    from jaxgpt.hf.llama import model_overrides
 
     cfg, _, params, tmp = llama_dirs
     source = json.loads((tmp / "source" / CONFIG).read_text())

@@ -1,5 +1,5 @@
 """A Hugging Face checkpoint's tensors, taken by name with their shapes checked: what the GPT-2
-(hf.py) and Llama (hf_llama.py) imports share. Every tensor must be taken exactly once, so a
+(gpt2.py) and Llama (llama.py) imports share. Every tensor must be taken exactly once, so a
 missing, misshapen or unexpected one is a one-line UserError naming it (and, where the shape
 tells, the model.* setting that would fit)."""
 

@@ -1,4 +1,4 @@
-"""Hugging Face Llama interop: the modern decoder as transformers' `LlamaForCausalLM` (for hf.py).
+"""Hugging Face Llama interop: the modern decoder as transformers' `LlamaForCausalLM` (for convert.py).
 
 Which models. A jaxgpt model is Llama-shaped when model.norm=rmsnorm with a learned scale,
 model.position=rope and model.mlp=swiglu, without QK-norm or logit soft-capping; n_kv_head
@@ -55,11 +55,11 @@ import numpy as np
 from jaxgpt import files
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
-from jaxgpt.hf_weights import Tensors
+from jaxgpt.hf.weights import Tensors
+from jaxgpt.tokenizer import EOT_ID  # GPT-2's <|endoftext|>: bos and eos, as jaxgpt has no other tokenizer
 
 ARCHITECTURE = "LlamaForCausalLM"
 EPS = 1e-5  # jaxgpt's norms (model.Norm)
-EOT = 50256  # GPT-2's <|endoftext|>: bos and eos, as jaxgpt has no other tokenizer
 
 # model.* key -> (Llama's value, why Llama cannot hold another)
 _LLAMA = {"norm": ("rmsnorm", "Llama's norms are RMSNorm"),
@@ -211,7 +211,7 @@ def hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
             "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": EPS,
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
             "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": 0.0,
-            "tie_word_embeddings": m.tie_embeddings, "bos_token_id": EOT, "eos_token_id": EOT, "dtype": "float32"}
+            "tie_word_embeddings": m.tie_embeddings, "bos_token_id": EOT_ID, "eos_token_id": EOT_ID, "dtype": "float32"}
 
 
 # config.json key -> (our key, LlamaConfig's default)

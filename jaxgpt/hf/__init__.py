@@ -1,0 +1,22 @@
+"""Hugging Face interop: `python -m jaxgpt.hf export RUN_DIR OUT_DIR`, `import HF_DIR RUN_DIR`, `check HF_DIR`.
+
+Two transformers classes hold jaxgpt models: `GPT2LMHeadModel` a GPT-2-shaped one (every
+architecture key at its default), `LlamaForCausalLM` a Llama-shaped one (RMSNorm with a scale,
+RoPE, SwiGLU; any grouped-query heads, MLP width, rope_theta, tied or untied head, biases or not).
+`llama.architecture` picks the class from the model config on export and refuses in one line
+what neither holds; on the way in, config.json's model_type (or its `architectures`) picks it.
+
+    cli.py        the command line
+    convert.py    HF directory <-> run: read and check, export, import, load for checkpoint.init_from_hf
+    gpt2.py       GPT-2's tensor mapping and config.json (the parameter table in its docstring)
+    llama.py      Llama's tensor mapping, config.json and RoPE layout; which models either class holds
+    weights.py    an HF checkpoint's tensors taken by name, shapes checked (both mappings)
+    tokenizer.py  GPT-2's HF tokenizer files, built from the packaged vocabulary
+"""
+
+from jaxgpt.hf.cli import main
+from jaxgpt.hf.convert import (CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, check_dir, export, generation_config,
+                               import_dir, load_dir, read_dir, restore_params)
+
+__all__ = ["CONFIG", "EXPORT_FILES", "GENERATION_CONFIG", "WEIGHTS", "check_dir", "export", "generation_config", "import_dir",
+           "load_dir", "main", "read_dir", "restore_params"]

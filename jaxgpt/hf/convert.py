@@ -1,0 +1,224 @@
+"""Hugging Face directories <-> jaxgpt runs: read and check an HF directory, export, import (for cli.py).
+
+A directory's config.json picks its format (`FORMATS`: the GPT-2 and Llama mappings of gpt2.py and
+llama.py) by its model_type, or without one by its `architectures`.
+
+`export` restores the newest readable checkpoint of a run (the config stored with it decides the
+shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that
+`GPT2LMHeadModel.from_pretrained` (or `LlamaForCausalLM`'s) reads, a `generation_config.json`
+(bos = eos = <|endoftext|>) and GPT-2's tokenizer files (`tokenizer.py`), so the directory is
+usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates.
+
+`load_dir` is the way back, for initialising a run (`checkpoint.init_from_hf`). `import` turns an
+HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh optimizer
+state, the data iterator at its start, the config implied by config.json plus any overrides),
+which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like any other.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import yaml
+from safetensors.numpy import load_file, save_file
+
+from jaxgpt import files
+from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
+from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
+from jaxgpt.errors import UserError
+from jaxgpt.hf import gpt2, llama, tokenizer
+from jaxgpt.parallel.mesh import make_mesh
+from jaxgpt.step import TrainState, abstract_state, make_setup
+from jaxgpt.tokenizer import EOT_ID, N_VOCAB
+
+WEIGHTS, CONFIG, GENERATION_CONFIG = "model.safetensors", "config.json", "generation_config.json"
+
+
+class Format(NamedTuple):
+    """One transformers class: the tensor mapping both ways and what config.json says."""
+    name: str
+    to_hf: Callable[[dict, ModelConfig], dict[str, np.ndarray]]
+    from_hf: Callable[[dict[str, np.ndarray], ModelConfig], dict]
+    hf_config: Callable[[ModelConfig], dict[str, Any]]
+    model_overrides: Callable[[dict[str, Any]], dict[str, Any]]
+    check_config: Callable[[dict[str, Any], ModelConfig, Path], None]
+    config_shape: dict[str, Any]
+
+
+FORMATS = {"gpt2": Format("GPT-2", gpt2.to_hf, gpt2.from_hf, gpt2.hf_config, gpt2.model_overrides,
+                           gpt2.check_config, gpt2.CONFIG_SHAPE),
+           "llama": Format("Llama", llama.to_hf, llama.from_hf, llama.hf_config, llama.model_overrides,
+                           llama.check_config, llama.CONFIG_SHAPE)}
+
+
+def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
+    """config.json's model_type (or, without one, its architectures) -> the Format that reads it."""
+    files.check_shape(hf_cfg, f"Hugging Face config {source}", optional={"model_type": str, "architectures": list})
+    default = "llama" if llama.ARCHITECTURE in hf_cfg.get("architectures", []) else "gpt2"
+    kind = hf_cfg.get("model_type", default)
+    if kind not in FORMATS:
+        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2 and Llama (model_type gpt2 or llama)")
+    fmt = FORMATS[kind]
+    files.check_shape(hf_cfg, f"Hugging Face config {source}", optional=fmt.config_shape)
+    for key, value in hf_cfg.items():
+        if key in fmt.config_shape and type(value) is int and value < 1:
+            raise UserError(f"Hugging Face config {source}: {key} must be positive, got {value}")
+    return fmt
+
+
+def read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Format]:
+    hf_dir = files.require_dir(hf_dir, "Hugging Face directory")
+    if not (hf_dir / CONFIG).is_file():
+        raise UserError(f"{hf_dir} holds no {CONFIG}; give a directory written by save_pretrained or jaxgpt.hf export")
+    hf_cfg = files.read_json_object(hf_dir / CONFIG, "Hugging Face config")
+    fmt = _format_of(hf_cfg, hf_dir / CONFIG)
+    index = hf_dir / f"{WEIGHTS}.index.json"  # save_pretrained shards files over 5 GB
+    names = [WEIGHTS]
+    if index.is_file():
+        weight_map = files.read_json_object(index, "weights index", required={"weight_map": dict})["weight_map"]
+        if not all(isinstance(v, str) and v and "/" not in v for v in weight_map.values()):
+            raise UserError(f"weights index {index}: weight_map must map tensor names to file names in {hf_dir}")
+        names = sorted(set(weight_map.values()))
+    tensors = {}
+    for name in names:
+        if not (hf_dir / name).is_file():
+            raise UserError(f"{hf_dir} holds no {name} (only safetensors weights are read, not pytorch_model.bin)")
+        try:
+            tensors |= load_file(hf_dir / name)
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise UserError(f"{hf_dir / name} cannot be read as safetensors ({e})") from None
+    return hf_cfg, tensors, fmt
+
+
+def load_dir(hf_dir: Path, model_cfg: ModelConfig) -> dict:
+    """config.json + model.safetensors (GPT-2 or Llama, as from_pretrained/export write them) -> our params, checked."""
+    hf_cfg, tensors, fmt = read_dir(hf_dir)
+    llama.architecture(model_cfg)  # no experts, no mix of the two
+    fmt.check_config(hf_cfg, model_cfg, Path(hf_dir) / CONFIG)
+    return fmt.from_hf(tensors, model_cfg)
+
+
+def check_dir(hf_dir: Path) -> tuple[str, int, dict[str, Any]]:
+    """(the class's name, parameter count, the model.* keys it implies) of an HF directory, read in
+    full and checked as an import would (`python -m jaxgpt.hf check`)."""
+    hf_cfg, tensors, fmt = read_dir(hf_dir)
+    overrides = fmt.model_overrides(hf_cfg)
+    m = ModelConfig(**{k.removeprefix("model."): v for k, v in overrides.items()})
+    fmt.check_config(hf_cfg, m, Path(hf_dir) / CONFIG)
+    return fmt.name, sum(x.size for x in fmt.to_hf(fmt.from_hf(tensors, m), m).values()), overrides
+
+
+def _config_from_dict(d: dict[str, Any]) -> Config:
+    return Config(**{s: cls(**{k: v for k, v in d.get(s, {}).items() if k in cls.__dataclass_fields__})
+                     for s, cls in sections().items()})
+
+
+def _one_device_mesh():
+    return make_mesh({}, jax.devices()[:1])  # every axis 1
+
+
+def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None = None) -> tuple[dict, Config, int]:
+    """(params on one device, the run's config, step) of the newest readable checkpoint. `check`
+    sees the config before any parameter is read (a sampler validates its prompt length there)."""
+    ckpt_dir = find_checkpoint_dir(run_dir_or_ckpt)
+    ckpt = Checkpointer(ckpt_dir, CheckpointConfig())
+    try:
+        cfg = None
+        for step in sorted(ckpt.manager.all_steps(), reverse=True):  # the config saved with the checkpoint
+            try:
+                cfg = _config_from_dict(ckpt.manager.restore(step, args=ocp.args.Composite(
+                    config=ocp.args.JsonRestore())).config)
+                break
+            except Exception:  # noqa: BLE001 - damaged: restore_latest below warns about it
+                continue
+        if cfg is None:
+            raise UserError(f"no checkpoint in {ckpt_dir} has a readable config")
+        if check is not None:
+            check(cfg)
+        mesh = _one_device_mesh()
+        with jax.set_mesh(mesh):
+            setup = make_setup(cfg, mesh)
+            restored = ckpt.restore_latest(abstract_state(cfg, setup), params_only=True)  # skips damaged steps
+    finally:
+        ckpt.close()
+    return restored.state.params, cfg, restored.step
+
+
+EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *tokenizer.FILES)
+
+
+def _format_for(cfg: Config) -> Format:
+    """The Format that holds this model, or llama.architecture's one-line UserError."""
+    return FORMATS[llama.architecture(cfg.model)]
+
+
+def generation_config() -> dict[str, Any]:
+    """GPT-2's generation_config.json (both classes): generation starts and stops at <|endoftext|>."""
+    return {"bos_token_id": EOT_ID, "eos_token_id": EOT_ID}
+
+
+def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
+    """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
+    out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
+    params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
+    fmt = _format_for(cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # transformers refuses safetensors files without a "format" entry in their metadata.
+    save_file(fmt.to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
+    (out_dir / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
+    (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
+    tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
+    return step
+
+
+def _fresh_data_state() -> dict:
+    """The data iterator's state before its first batch (what a step-0 checkpoint holds)."""
+    from jaxgpt.data import train_iterator
+    return train_iterator(np.zeros(2, "<u2"), seq_len=1, global_batch=1, seed=0, process_index=0,
+                          process_count=1).get_state()
+
+
+def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
+               overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
+    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2 or Llama directory,
+    without training: the model.* keys come from its config.json (then `config` and `overrides`),
+    the parameters from its weights, the optimizer state is a fresh one. Returns the config and
+    the model.* keys config.json implies (what a `train --run-dir` resuming it must keep)."""
+    from jaxgpt.tracking import check_run_dir
+
+    run_dir = check_run_dir(run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    if ckpt_dir.is_dir() and any(c.name.isdigit() for c in ckpt_dir.iterdir()):
+        raise UserError(f"run dir {run_dir} already holds checkpoints; import into a new run dir")
+    hf_cfg, tensors, fmt = read_dir(hf_dir)
+    implied = fmt.model_overrides(hf_cfg)
+    cfg = load_config(config, [*(f"{key}={value}" for key, value in implied.items()), *overrides])
+    llama.architecture(cfg.model)
+    fmt.check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
+    params = fmt.from_hf(tensors, cfg.model)
+    if cfg.model.vocab_size != N_VOCAB:
+        print(f"warning: {hf_dir} has a vocabulary of {cfg.model.vocab_size} tokens, not GPT-2's {N_VOCAB}: jaxgpt "
+              f"tokenizes with GPT-2's BPE only, so sample and train would feed it GPT-2 token ids",
+              file=sys.stderr, flush=True)
+    mesh = _one_device_mesh()
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        params = jax.device_put(params, setup.shardings.params)
+        opt_state = jax.jit(setup.optimizer.init, out_shardings=setup.shardings.opt_state)(params)
+        step = jax.device_put(np.zeros((), np.int32), setup.shardings.step)
+        ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
+        try:
+            ckpt.save(0, TrainState(step, params, opt_state), _fresh_data_state(), cfg)
+            ckpt.wait()
+        finally:
+            ckpt.close()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return cfg, list(implied)
+
