@@ -2,7 +2,8 @@
 
 Exit codes (documented in the README):
     0  success
-    2  bad input the user can fix (config, mesh, data, ...): one `error: ...` line on stderr
+    2  bad input the user can fix (config, mesh, data, a run too big for its devices' memory, ...):
+       one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
     75 preempted (SIGTERM or Ctrl-C): a checkpoint was committed, re-run the same command to resume
     130 Ctrl-C where there was nothing to save (starting up, a second Ctrl-C): one `interrupted` line
@@ -52,7 +53,23 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED
+    except RuntimeError as e:
+        if not out_of_memory(e):
+            raise
+        print(f"error: a device ran out of memory ({str(e).strip().splitlines()[0]}); {OUT_OF_MEMORY_HINT}",
+              file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     return EXIT_OK
+
+
+OUT_OF_MEMORY_HINT = ("smaller micro-batches (train.grad_accum), model.remat=full, a smaller model or more devices "
+                      "need less; `python -m jaxgpt.plan` shows a train step's memory per device without running it")
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """XLA's allocation failure (a JaxRuntimeError whose status is RESOURCE_EXHAUSTED), by name:
+    this module is imported before JAX."""
+    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and str(e).lstrip().startswith("RESOURCE_EXHAUSTED")
 
 
 INTERRUPTED = "interrupted; run the same command to start again (training resumes from its newest checkpoint, if any)"

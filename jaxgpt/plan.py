@@ -121,33 +121,39 @@ def host_memory_available() -> int | None:
     return min(available) if available else None
 
 
-def check_host_memory(step, state, batch, mesh) -> None:
-    """On a CPU, where the devices' memory is the host's and running out ends the process with no
-    word (the kernel's OOM killer), a UserError when the run cannot fit: first from the train
-    state's shapes (before compiling), then from XLA's memory analysis of `step` (the train loop's
-    own jitted step, so the compile is the one its first call reuses). state and batch: the
-    step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`)."""
+def check_memory(step, state, batch, mesh, device) -> None:
+    """A UserError, before anything runs, when the run cannot fit its devices' memory.
+
+    On a CPU the devices' memory is the host's, and running out ends the process with no word (the
+    kernel's OOM killer): the train state's shapes are checked first (before compiling), then XLA's
+    memory analysis of `step`, against what the host has available. On an accelerator that says
+    what it holds (`device_memory`: a GPU's allocator limit), the memory analysis against that: a
+    step whose buffers exceed it would fail at its first call with XLA's RESOURCE_EXHAUSTED. `step`
+    is the train loop's own jitted step, so the compile here is the one its first call reuses.
+    state and batch: the step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`)."""
     import jax
 
-    available = host_memory_available()
+    cpu = device.platform == "cpu"
+    available = host_memory_available() if cpu else device_memory(device)
     if available is None:
         return
-    local = len(mesh.local_devices)  # fake CPU devices each hold their own copy or shard
+    local = len(mesh.local_devices) if cpu else 1  # fake CPU devices each hold their own copy or shard
+    where = f"host memory over {local} CPU device(s)" if cpu else f"memory per {device.platform.upper()} device"
     state_bytes = per_device_bytes(state) * local
     if state_bytes > available:
         raise UserError(f"the train state alone (parameters and optimizer moments) needs {state_bytes / GIB:.1f} "
-                        f"GiB of host memory over {local} CPU device(s), but {available / GIB:.1f} GiB is "
-                        f"available; use a smaller model, an fsdp axis (each device then holds a shard of the "
-                        f"state, not a copy), or a machine with more memory")
+                        f"GiB of {where}, but {available / GIB:.1f} GiB is available; use a smaller model, an "
+                        f"fsdp axis (each device then holds a shard of the state, not a copy), or "
+                        + ("a machine with more memory" if cpu else "more devices"))
     with jax.set_mesh(mesh):
         memory = memory_analysis(step.lower(state, batch).compile())
     need = memory["peak"] * local
     if need > available:
-        raise UserError(f"the train step needs {need / GIB:.1f} GiB of host memory over {local} CPU device(s) "
-                        f"(train state {state_bytes / GIB:.1f} GiB, the step's temporaries "
-                        f"{memory['temporaries'] * local / GIB:.1f} GiB), but {available / GIB:.1f} GiB is "
-                        f"available; use smaller micro-batches (train.grad_accum), model.remat=full, a smaller "
-                        f"model, or a machine with more memory")
+        raise UserError(f"the train step needs {need / GIB:.1f} GiB of {where} (train state "
+                        f"{state_bytes / GIB:.1f} GiB, the step's temporaries {memory['temporaries'] * local / GIB:.1f} "
+                        f"GiB), but {available / GIB:.1f} GiB is available; use smaller micro-batches "
+                        f"(train.grad_accum), model.remat=full, a smaller model, or "
+                        + ("a machine with more memory" if cpu else "more devices (an fsdp axis)"))
 
 
 class Compiled(NamedTuple):

@@ -67,7 +67,7 @@ from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import abstract_inputs, check_host_memory, device_memory, plan
+from jaxgpt.plan import abstract_inputs, check_memory, device_memory, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
@@ -180,8 +180,9 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             setup = make_setup(cfg, mesh)
             abstract, abstract_batch = abstract_inputs(cfg, mesh, setup)  # restore targets, ahead-of-time compile
             train_step = make_train_step(cfg, mesh, setup)
-            if devices[0].platform == "cpu":  # before anything is written: a run too big is one line, not the OOM killer
-                check_host_memory(train_step, abstract, abstract_batch, mesh)
+            # Before anything is written: a run too big for its devices is one line, not the OOM
+            # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
+            check_memory(train_step, abstract, abstract_batch, mesh, devices[0])
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     except BaseException:
@@ -235,7 +236,7 @@ class _Loop:
     def __init__(self, cfg: Config, setup: Setup, mesh, train_step, track: Tracker, n_devices: int, peak: float | None,
                  tasks: Sequence[Task] = ()):
         self.cfg, self.track, self.n_devices, self.peak = cfg, track, n_devices, peak
-        self.train_step = train_step  # make_train_step's, compiled ahead on a CPU (check_host_memory)
+        self.train_step = train_step  # make_train_step's, compiled ahead (check_memory)
         self.eval_step = make_eval_step(cfg, mesh, setup)
         self.tasks = tasks  # scored with the micro-batch's rows, which training already fits in memory
         self.scorer = Scorer(setup.graphdef, cfg.model, mesh, cfg.train.batch_size // cfg.train.grad_accum)

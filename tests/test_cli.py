@@ -83,6 +83,22 @@ def test_ctrl_c_while_importing_is_one_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_device_out_of_memory_is_one_line(capsys):
+    """XLA's own allocation failure (RESOURCE_EXHAUSTED, here a 4 PiB array on the CPU, beyond any address space), wherever a
+    command meets it: one line naming it, exit 2, no traceback."""
+    import jax.numpy as jnp
+
+    def allocate(_argv):
+        jnp.ones((1 << 50,), jnp.float32).block_until_ready()
+
+    assert run_main(allocate) == EXIT_USER_ERROR
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("error: a device ran out of memory (RESOURCE_EXHAUSTED: ") and "jaxgpt.plan" in err, err
+    with pytest.raises(RuntimeError, match="not memory"):  # any other runtime error is not turned into a line
+        run_main(lambda _argv: (_ for _ in ()).throw(RuntimeError("not memory")))
+
+
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
     proc = run_cli("--run-dir", str(tmp_path), "--mesh", "dp=8", f"data.path={empty_data_dir}")
     _assert_one_line_error(proc, "train")

@@ -157,3 +157,37 @@ def test_benchmark_smoke(tmp_path, shakespeare_dir):
     assert set(r["step_ms"]) >= {"median", "p10", "p90"}
     assert r["collective_bytes"]["all-reduce"] > 0 and r["memory"]["peak"] > 0
     assert proc.stdout.strip().splitlines()[-1].startswith("| shakespeare | dp=8 | 8 |")
+
+
+class _GPU:
+    """A device that says what it holds, as a GPU's allocator does (memory_stats()['bytes_limit'])."""
+    platform = "gpu"
+
+    def __init__(self, bytes_limit: int):
+        self.bytes_limit = bytes_limit
+
+    def memory_stats(self) -> dict:
+        return {"bytes_limit": self.bytes_limit}
+
+
+def test_a_step_over_an_accelerators_memory_is_refused_before_it_runs():
+    """check_memory against a device's allocator limit (what train does before its first step on a
+    GPU): the state's shapes first, then XLA's memory analysis of the compiled step; a limit above
+    the step's peak passes."""
+    from jaxgpt.errors import UserError
+    from jaxgpt.parallel.mesh import make_mesh
+    from jaxgpt.plan import abstract_inputs, check_memory, memory_analysis
+    from jaxgpt.step import make_setup, make_train_step
+
+    cfg = tiny_config(mesh="fsdp=8")
+    mesh = make_mesh({"fsdp": 8}, jax.devices())
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state, batch = abstract_inputs(cfg, mesh, setup)
+        step = make_train_step(cfg, mesh, setup)
+        peak = memory_analysis(step.lower(state, batch).compile())["peak"]
+    with pytest.raises(UserError, match=r"the train state alone .* GiB of memory per GPU device, but 0\.0 GiB"):
+        check_memory(step, state, batch, mesh, _GPU(1024))
+    with pytest.raises(UserError, match=r"the train step needs .* GiB of memory per GPU device .* more devices"):
+        check_memory(step, state, batch, mesh, _GPU(peak - 1))
+    check_memory(step, state, batch, mesh, _GPU(peak))
