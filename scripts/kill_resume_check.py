@@ -77,7 +77,8 @@ def main() -> int:
     while True:
         after = rng.uniform(0.5, args.max_seconds)
         code = run(command(root / "killed"), env, after)
-        print(f"attempt {kills + 1}: {'killed' if code == -9 else f'exit {code}'} after {after:.2f} s", flush=True)
+        print(f"attempt {kills + 1}: " + (f"killed after {after:.2f} s" if code == -9 else
+                                          f"exit {code} before the kill due at {after:.2f} s"), flush=True)
         if code != -9:
             break
         kills += 1
