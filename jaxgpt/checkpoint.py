@@ -38,10 +38,12 @@ Damaged steps are set aside, not left in the way. When a training run resumes fr
 skipped newer damaged steps, each is moved to `checkpoints/damaged/STEP-<UTC time>` (said in its
 warning line); Orbax's manager ignores that directory. Otherwise the run would reach the damaged
 step again and Orbax would refuse to save over it (`StepAlreadyExistsError`), on every re-run.
-Nothing is deleted: the user decides what to do with `damaged/`. Readers of someone else's run
-(sample, export, `init_from`) only skip, never move. A half-written save, `STEP.orbax-checkpoint-tmp`
-(the process died before Orbax renamed it), is never a step; a resuming run sets it aside the same
-way (Orbax would otherwise delete it, with an absl warning, when that step is saved again).
+Nothing of a committed step is deleted: the user decides what to do with `damaged/`. Readers of
+someone else's run (sample, export, `init_from`) only skip, never move. A half-written save,
+`STEP.orbax-checkpoint-tmp...` (the process died before Orbax renamed it), is never a step and
+cannot be restored: a resuming run deletes it, with one warning line (Orbax would otherwise delete
+it, with an absl warning, only when that step is saved again; kept, every kill during a save would
+leave up to a whole train state on disk).
 
 Reading a damaged checkpoint is noisy inside Orbax and TensorStore: Orbax runs each read in an
 asyncio loop that it closes when a read fails, and TensorStore's I/O threads then try to deliver
@@ -64,6 +66,7 @@ import contextlib
 import logging
 import os
 import sys
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -196,9 +199,8 @@ class Checkpointer:
                             for reason, names in groups.items())
             raise UserError(f"no checkpoint in {self.directory} can be read: {why}; move them away to start over")
         if set_aside:
-            unfinished = sorted(self.directory.glob(f"*{TMP_SUFFIX}*"))
-            self._set_aside([(p, "a save that never finished (the process stopped while writing it)")
-                             for p in unfinished] + skipped)
+            self._remove_unfinished(sorted(self.directory.glob(f"*{TMP_SUFFIX}*")))
+            self._set_aside(skipped)
         else:
             for path, reason in skipped:
                 _warn(f"skipping checkpoint {path}: {reason}")
@@ -211,6 +213,17 @@ class Checkpointer:
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
+
+    def _remove_unfinished(self, paths: list[Path]) -> None:
+        """Deletes half-written saves (Orbax's temporary directories, never a checkpoint), one
+        warning line each: kept, each would hold up to a whole train state on disk after every kill
+        during a save. Process 0 deletes; the others wait for it."""
+        for path in paths:
+            if jax.process_index() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            _warn(f"removed {path}: a save that never finished (the process stopped while writing it)")
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("jaxgpt: unfinished saves removed")
 
     def _set_aside(self, paths: list[tuple[Path, str]]) -> None:
         """Moves damaged steps and unfinished saves to damaged/NAME-<UTC time>, one warning line

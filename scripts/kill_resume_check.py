@@ -10,8 +10,8 @@ started again and again in a second run dir, each time killed (SIGKILL to its pr
 a random 0.5 s to --max-seconds, until one attempt finishes. A kill can land anywhere: start-up,
 compiling, a step, an evaluation, an async save, the metrics trim of a resume. Exit 0 when every
 metrics.jsonl row (step, loss, grad_norm, lr, val_loss) is identical to the reference's, 1 otherwise
-(the first difference printed), with the number of kills and what checkpoints/damaged/ holds
-(half-written saves set aside by the resumes).
+(the first difference printed), with the number of kills, the half-written saves the resumes
+removed, and what checkpoints/damaged/ holds (damaged committed steps set aside, if any).
 """
 
 from __future__ import annotations
@@ -32,19 +32,18 @@ TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.seq_len=3
 KEYS = ("step", "loss", "grad_norm", "lr", "val_loss")
 
 
-def run(cmd: list[str], env: dict, kill_after: float | None) -> int:
-    """The command's exit code, or -9 if it was killed after `kill_after` seconds."""
+def run(cmd: list[str], env: dict, kill_after: float | None) -> tuple[int, str]:
+    """(the command's exit code, or -9 if it was killed after `kill_after` seconds; its stderr)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True,
                             start_new_session=True)
     try:
         _, err = proc.communicate(timeout=kill_after)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return -9
+        return -9, proc.communicate()[1]
     if proc.returncode:
         print(err[-2000:], file=sys.stderr)
-    return proc.returncode
+    return proc.returncode, err
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -71,12 +70,13 @@ def main() -> int:
         return [sys.executable, "-m", "jaxgpt.train", "--mesh", args.mesh, "--run-dir", str(run_dir), *TINY,
                 f"train.steps={args.steps}", f"checkpoint.every={args.every}", *args.overrides]
 
-    if run(command(root / "reference"), env, None) != 0:
+    if run(command(root / "reference"), env, None)[0] != 0:
         return 1
-    rng, kills = random.Random(args.seed), 0
+    rng, kills, removed = random.Random(args.seed), 0, 0
     while True:
         after = rng.uniform(0.5, args.max_seconds)
-        code = run(command(root / "killed"), env, after)
+        code, err = run(command(root / "killed"), env, after)
+        removed += err.count("a save that never finished")
         print(f"attempt {kills + 1}: " + (f"killed after {after:.2f} s" if code == -9 else
                                           f"exit {code} before the kill due at {after:.2f} s"), flush=True)
         if code != -9:
@@ -84,7 +84,8 @@ def main() -> int:
         kills += 1
     damaged = sorted(p.name for p in (root / "killed" / "checkpoints" / "damaged").glob("*"))
     want, got = rows(root / "reference"), rows(root / "killed")
-    print(f"{kills} kills; damaged/ holds {damaged or 'nothing'}; run dirs in {root}")
+    print(f"{kills} kills; {removed} half-written saves removed on resume; damaged/ holds {damaged or 'nothing'}; "
+          f"run dirs in {root}")
     if code == 0 and want == got:
         print(f"identical: {len(got)} metrics rows")
         return 0

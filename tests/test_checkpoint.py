@@ -225,7 +225,8 @@ def test_truncated_or_missing_files_are_skipped_with_a_warning(three_checkpoints
 def test_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes(three_checkpoints):
     """The newest step garbled (the damage whose reads spray "Event loop is closed" tracebacks from
     TensorStore threads) and an unfinished save left behind: the re-run warns once for each, moves
-    both to checkpoints/damaged/, resumes from step 4, saves step 6 again and rewrites the same rows."""
+    the step to checkpoints/damaged/ and deletes the unfinished save (never a checkpoint), resumes
+    from step 4, saves step 6 again and rewrites the same rows."""
     ckpts = three_checkpoints / "checkpoints"
     before = _rows(three_checkpoints)
     (ckpts / "6" / "state" / "manifest.ocdbt").write_text("garbage")
@@ -234,14 +235,15 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes(three_check
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert len(lines) == 2, proc.stderr[-3000:]  # one line per skipped checkpoint, nothing else
-    assert lines[0].startswith(f"warning: skipping checkpoint {ckpts / '8.orbax-checkpoint-tmp'}: a save that never "
-                               f"finished") and f"moved it to {ckpts / 'damaged' / '8.orbax-checkpoint-tmp-'}" in lines[0]
+    assert lines[0] == (f"warning: removed {ckpts / '8.orbax-checkpoint-tmp'}: a save that never finished (the "
+                        f"process stopped while writing it)")
+    assert not list(ckpts.glob("*.orbax-checkpoint-tmp*"))
     assert lines[1].startswith(f"warning: skipping checkpoint {ckpts / '6'}: metadata unreadable (DATA_LOSS in "
                                f"state/manifest.ocdbt: Error decoding manifest: Encoded length (7) is less than minimum "
                                f"length (16)); moved it to")
     assert f"moved it to {ckpts / 'damaged' / '6-'}" in lines[1]
     assert "resuming from step 4" in proc.stdout
-    assert sorted(p.name.split("-")[0] for p in (ckpts / "damaged").iterdir()) == ["6", "8.orbax"]
+    assert [p.name.split("-")[0] for p in (ckpts / "damaged").iterdir()] == ["6"]
     assert (ckpts / "6" / "commit_success.txt").exists()
     assert _restore(three_checkpoints).step == 6
     assert _rows(three_checkpoints) == before
