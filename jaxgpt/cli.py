@@ -2,6 +2,8 @@
 
 Exit codes (documented in the README):
     0  success
+    1  a failure while running: a traceback, or one `error: a device ran out of memory ...` line for
+       XLA's out-of-memory (not necessarily the same on a second try: launch_multihost.sh restarts)
     2  bad input the user can fix (config, mesh, data, a run too big for its devices' memory, ...):
        one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
@@ -21,7 +23,7 @@ from typing import NoReturn
 from jaxgpt import _quiet
 from jaxgpt.errors import UserError
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 2, 3, 75, 130
+EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 75, 130
 
 
 class Diverged(UserError):
@@ -58,7 +60,7 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
             raise
         print(f"error: a device ran out of memory ({str(e).strip().splitlines()[0]}); {OUT_OF_MEMORY_HINT}",
               file=sys.stderr, flush=True)
-        return EXIT_USER_ERROR
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -67,9 +69,12 @@ OUT_OF_MEMORY_HINT = ("smaller micro-batches (train.grad_accum), model.remat=ful
 
 
 def out_of_memory(e: BaseException) -> bool:
-    """XLA's allocation failure (a JaxRuntimeError whose status is RESOURCE_EXHAUSTED), by name:
-    this module is imported before JAX."""
-    return type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and str(e).lstrip().startswith("RESOURCE_EXHAUSTED")
+    """XLA's allocation failure: a JaxRuntimeError whose status is RESOURCE_EXHAUSTED and whose
+    message says out of memory (other RESOURCE_EXHAUSTED errors, a coordination service's say, keep
+    their traceback). By name: this module is imported before JAX."""
+    first = str(e).strip().split("\n", 1)[0]
+    return (type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and first.startswith("RESOURCE_EXHAUSTED")
+            and "out of memory" in first.lower())
 
 
 INTERRUPTED = "interrupted; run the same command to start again (training resumes from its newest checkpoint, if any)"

@@ -97,6 +97,13 @@ def collective_summary(hlo_text: str, n_devices: int) -> dict[str, Any]:
             "unknown_trip_counts": sorted(set(unknown))}
 
 
+def local_device(devices: Sequence):
+    """The first of `devices` that this process drives: only those answer memory_stats(), and every
+    process must reach the same verdict from its own (devices[0] is process 0's on every process)."""
+    import jax
+    return next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+
+
 def device_memory(device) -> int | None:
     """What one device says it can hold (memory_stats()['bytes_limit']); None where it does not say
     (CPUs, compile-only GPUs)."""
@@ -254,7 +261,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
                                   flops_per_token(cfg.model))
     params = per_device_bytes(state.params)
     if device_memory_bytes is None:
-        device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(devices[0])
+        device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(local_device(devices))
     memory = memory_analysis(compiled)
     return {
         "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat,
@@ -422,7 +429,7 @@ def _main(argv: Sequence[str] | None) -> None:
     limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
     from jaxgpt.gpu.target import device_memory_bytes
     from jaxgpt.model import remat
-    memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(devices[0]))
+    memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(local_device(devices)))
     cfg, remat_why, result = remat.resolve(cfg, memory, lambda c: plan(c, devices, limit, args.target))
     result = result or plan(cfg, devices, limit, args.target)
     result["remat_why"] = remat_why

@@ -33,11 +33,10 @@ from jaxgpt import files
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
-from jaxgpt.hf.tokenizer import EOT_TEXT
 from jaxgpt.model import KVCache, compute_dtype
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup
-from jaxgpt.tokenizer import gpt2_encoding
+from jaxgpt.tokenizer import EOT_TEXT, gpt2_encoding
 
 
 def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:

@@ -21,6 +21,7 @@ import tiktoken.load
 
 TOKENIZER_NAME = "gpt2"
 EOT_ID = 50256
+EOT_TEXT = "<|endoftext|>"  # its text: GPT-2's bos, eos and document separator
 N_VOCAB = 50257
 
 _VOCAB_PATH = Path(__file__).parent / "assets" / "r50k_base.tiktoken"
@@ -44,7 +45,7 @@ def gpt2_encoding() -> tiktoken.Encoding:
         name=TOKENIZER_NAME,
         pat_str=_PAT_STR,
         mergeable_ranks=mergeable_ranks(),
-        special_tokens={"<|endoftext|>": EOT_ID},
+        special_tokens={EOT_TEXT: EOT_ID},
         explicit_n_vocab=N_VOCAB,
     )
 

@@ -21,7 +21,7 @@ from flax import nnx
 from helpers import read_metrics, tiny_config
 
 from jaxgpt import eval as eval_cli
-from jaxgpt.config import load_config, validate
+from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer, accuracies, buckets
 from jaxgpt.evaluate.tasks import encode_pair, load_task, parse_spec, preprocess, read_examples

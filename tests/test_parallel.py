@@ -9,7 +9,7 @@ import pytest
 from helpers import layer_loops, loss_loops, tiny_config, train_losses
 
 from jaxgpt.config import validate
-from jaxgpt.hlo import collective_bytes, collectives, while_bodies
+from jaxgpt.hlo import collective_bytes, collectives
 from jaxgpt.parallel.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.train import train

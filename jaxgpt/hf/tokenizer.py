@@ -28,9 +28,8 @@ import functools
 import json
 from pathlib import Path
 
-from jaxgpt.tokenizer import EOT_ID, mergeable_ranks
+from jaxgpt.tokenizer import EOT_ID, EOT_TEXT, mergeable_ranks
 
-EOT_TEXT = "<|endoftext|>"
 FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
