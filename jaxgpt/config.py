@@ -407,13 +407,16 @@ def parse_mesh(spec: str) -> dict[str, str]:
     """'dp=2,tp=4' -> {'mesh.pp': '1', 'mesh.dp': '2', 'mesh.fsdp': '1', 'mesh.ep': '1', 'mesh.tp': '4'}: axes
     not named are 1."""
     axes = list(MeshConfig.AXES)
-    out = {f"mesh.{a}": "1" for a in axes}
+    out, named = {f"mesh.{a}": "1" for a in axes}, set()
     for part in filter(None, (p.strip() for p in spec.split(","))):
-        name, sep, size = part.partition("=")
+        name, sep, size = (x.strip() for x in part.partition("="))
         if not sep:
             raise UserError(f"--mesh '{spec}': '{part}' is not of the form axis=size (axes: {', '.join(axes)})")
         if name not in axes:
             raise UserError(f"--mesh '{spec}': unknown axis '{name}'{_nearest(name, axes)} (axes: {', '.join(axes)})")
+        if name in named:
+            raise UserError(f"--mesh '{spec}': axis '{name}' is given twice")
+        named.add(name)
         out[f"mesh.{name}"] = size
     return out
 

@@ -42,6 +42,7 @@ def empty_data_dir(tmp_path_factory, shakespeare_dir):
     (["--config", "gpt3"], ["config file 'gpt3' not found"]),
     (["--mesh", "dp=3"], ["has 3 devices but 8 are available"]),
     (["--mesh", "dp=2,fsdp=2,tq=2"], ["unknown axis 'tq'", "did you mean 'tp'"]),
+    (["--mesh", "dp=2,fsdp=2,dp=2"], ["axis 'dp' is given twice"]),
     (["--mesh", "dp=8", "train.batch_size=12"], ["does not split over dp x fsdp x ep = 8"]),
     (["--mesh", "dp=4,tp=2", "model.n_head=3", "model.n_embd=48"], ["model.n_head=3 is not divisible by the tp axis"]),
     (["--mesh", "dp=8", "model.vocab_size=1000"], ["50257 tokens", "model.vocab_size"]),
