@@ -362,7 +362,7 @@ def _flatten_yaml(tree: Any, source: str) -> dict[str, Any]:
     for section, body in tree.items():
         if not isinstance(body, dict):
             raise UserError(f"section '{section}' in {source} must map keys to values"
-                            f"{_nearest(str(section), sections())}")
+                            f"{'' if section in sections() else _nearest(str(section), sections())}")
         for k, v in body.items():
             flat[f"{section}.{k}"] = v
     return flat
@@ -388,7 +388,7 @@ def load_config(config: str | None = None, overrides: list[str] = (), mesh: str 
     if config is not None or (CONFIG_DIR / f"{DEFAULT_CONFIG}.yaml").is_file():
         path = resolve_config_path(config)
         try:
-            tree = yaml.safe_load(files.read_text(path, "config file"))
+            tree = files.load_yaml(files.read_text(path, "config file"))
         except yaml.YAMLError as e:
             raise UserError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
         cfg = _apply(cfg, _flatten_yaml(tree, str(path)), str(path))

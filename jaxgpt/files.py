@@ -184,12 +184,38 @@ def read_jsonl(path: Path, what: str, required: Shape = {}, optional: Shape = {}
     return rows
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML
+    keeps the last one silently, so a config with two `train:` sections would lose the first."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates)
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.safe_load, refusing a key given twice in a mapping (a yaml.YAMLError like any other)."""
+    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
     """A YAML file holding a mapping (or nothing: {}); UserError for anything else."""
     path = Path(path)
     text = read_text(path, what)
     try:
-        tree = yaml.safe_load(text)
+        tree = load_yaml(text)
     except yaml.YAMLError as e:
         raise UserError(f"{what} {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if tree is None:

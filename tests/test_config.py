@@ -114,6 +114,10 @@ def test_every_numeric_key_has_a_range_shown_by_help():
     (b"model:\n  n_layer: 2\n  # \xff\xfe\n", r"is not UTF-8 text \(byte 0xff at offset 24\)"),
     (b"- model\n- train\n", r"must hold sections such as 'model:'"),
     (b"model: [1, 2\n", r"is not valid YAML"),
+    # PyYAML would keep the second section or key silently, dropping the first
+    (b"train:\n  steps: 5\nmodel:\n  n_layer: 2\ntrain:\n  seed: 3\n", r"not valid YAML: key 'train' is given twice \(line 5\)"),
+    (b"train:\n  steps: 5\n  steps: 6\n", r"not valid YAML: key 'steps' is given twice \(line 3\)"),
+    (b"train: 5\n", r"section 'train' in .* must map keys to values$"),  # no 'did you mean' itself
 ])
 def test_bad_config_files_are_one_sentence(tmp_path, content, message):
     path = tmp_path / "c.yaml"
@@ -122,3 +126,9 @@ def test_bad_config_files_are_one_sentence(tmp_path, content, message):
         load_config(str(path))
     with pytest.raises(UserError, match=r"config file .* is a directory, not a file"):
         load_config(str(tmp_path))
+
+
+def test_yaml_merge_keys_still_override():
+    """`<<: *anchor` then a key of the anchor's: an override, not a key given twice."""
+    from jaxgpt.files import load_yaml
+    assert load_yaml("a: &x {b: 1, d: 0}\nc:\n  <<: *x\n  d: 2\n") == {"a": {"b": 1, "d": 0}, "c": {"b": 1, "d": 2}}
