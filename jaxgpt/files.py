@@ -121,7 +121,8 @@ def read_text(path: Path, what: str) -> str:
         raise UserError(f"{what} {path} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
 
 
-def _describe(value: Any) -> str:
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in words: "an object", "a list", "an integer", "null", ..."""
     return next((name for t, name in _JSON_NAMES.items() if type(value) is t), type(value).__name__)
 
 
@@ -142,14 +143,14 @@ def _type_names(types: type | tuple[type, ...]) -> str:
 def check_shape(obj: Any, where: str, required: Shape = {}, optional: Shape = {}) -> dict[str, Any]:
     """`obj` if it is a mapping whose keys have the allowed types; `where` starts the error message."""
     if not isinstance(obj, dict):
-        raise UserError(f"{where} holds {_describe(obj)}, not an object of keys and values")
+        raise UserError(f"{where} holds {json_kind(obj)}, not an object of keys and values")
     missing = [k for k in required if k not in obj]
     if missing:
         raise UserError(f"{where} lacks the key{'s' if len(missing) > 1 else ''} "
                         + ", ".join(f"'{k}'" for k in missing))
     for key, types in {**optional, **required}.items():
         if key in obj and not _allowed(obj[key], types):
-            raise UserError(f"{where}: '{key}' is {_describe(obj[key])} ({obj[key]!r:.40}), "
+            raise UserError(f"{where}: '{key}' is {json_kind(obj[key])} ({obj[key]!r:.40}), "
                             f"not {_type_names(types)}")
     return obj
 

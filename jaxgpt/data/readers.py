@@ -36,6 +36,7 @@ from pathlib import Path
 import zstandard
 
 from jaxgpt.errors import UserError
+from jaxgpt.files import json_kind
 
 MAX_PIECE_CHARS = 1 << 20
 _READ_CHARS = 1 << 20
@@ -240,7 +241,7 @@ class Reader:
                 continue
             text = obj[field]
             if not isinstance(text, str):
-                self._bad(path, lineno, f"the {field!r} field is a {type(text).__name__}, not a string")
+                self._bad(path, lineno, f"the {field!r} field is {json_kind(text)}, not a string")
                 continue
             yield text
 
