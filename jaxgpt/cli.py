@@ -64,8 +64,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     return EXIT_OK
 
 
-OUT_OF_MEMORY_HINT = ("smaller micro-batches (train.grad_accum), model.remat=full, a smaller model or more devices "
-                      "need less; `python -m jaxgpt.plan` shows a train step's memory per device without running it")
+OUT_OF_MEMORY_HINT = ("a smaller batch or model, or more devices, need less (training: train.grad_accum, "
+                      "model.remat=full; sampling: --num-samples); `python -m jaxgpt.plan` shows a train step's "
+                      "memory per device without running it")
 
 
 def out_of_memory(e: BaseException) -> bool:

@@ -39,9 +39,15 @@ from jaxgpt.step import abstract_model, make_setup
 from jaxgpt.tokenizer import EOT_TEXT, gpt2_encoding
 
 
+MAX_TEMPERATURE = 1e30
+
+
 def filter_logits(logits_BV: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
     """Temperature, top-k and top-p applied to fp32 logits; removed entries become -inf."""
-    logits_BV = logits_BV / temperature
+    # Past MAX_TEMPERATURE every temperature samples uniformly; capped because XLA divides by
+    # multiplying with 1 / temperature, which underflows to 0 past fp32's range (1e38), and the
+    # padding's -inf times 0 is NaN (a padding id then came out of the draw).
+    logits_BV = logits_BV / min(temperature, MAX_TEMPERATURE)
     if 0 < top_k < logits_BV.shape[-1]:
         kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
         logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)

@@ -54,6 +54,20 @@ def test_top_k_and_top_p_filters():
     assert np.isfinite(np.asarray(filter_logits(logits, 1.0, 0, 0.4))).tolist() == [[True, False, False, False]]
 
 
+@pytest.mark.parametrize("temperature", [1e38, 1e308])
+def test_a_huge_temperature_samples_uniformly_and_never_a_masked_id(temperature):
+    """Past fp32's range 1 / temperature underflows to 0 and -inf * 0 was NaN: a masked (padding)
+    id came out of the draw and decoding it raised KeyError. Now the real ids stay finite and equal,
+    the masked one -inf, and no draw picks it."""
+    import jax
+
+    logits = jnp.asarray([[2.0, -3.0, 0.5, -jnp.inf]])
+    out = np.asarray(jax.jit(filter_logits, static_argnums=(1, 2, 3))(logits, temperature, 0, 1.0))
+    assert np.isfinite(out[0, :3]).all() and np.ptp(out[0, :3]) < 1e-20 and out[0, 3] == -np.inf
+    draws = jax.vmap(lambda k: jax.random.categorical(k, jnp.asarray(out)[0]))(jax.random.split(jax.random.key(0), 300))
+    assert set(np.asarray(draws).tolist()) == {0, 1, 2}
+
+
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory, shakespeare_dir):
     run_dir = tmp_path_factory.mktemp("sample-run")
