@@ -56,10 +56,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
         _say_interrupted()
         return EXIT_INTERRUPTED
     except RuntimeError as e:
-        if not out_of_memory(e):
+        if (line := out_of_memory(e)) is None:
             raise
-        print(f"error: a device ran out of memory ({str(e).strip().splitlines()[0]}); {OUT_OF_MEMORY_HINT}",
-              file=sys.stderr, flush=True)
+        print(f"error: a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -69,13 +68,14 @@ OUT_OF_MEMORY_HINT = ("a smaller batch or model, or more devices, need less (tra
                       "memory per device without running it")
 
 
-def out_of_memory(e: BaseException) -> bool:
-    """XLA's allocation failure: a JaxRuntimeError whose status is RESOURCE_EXHAUSTED and whose
-    message says out of memory (other RESOURCE_EXHAUSTED errors, a coordination service's say, keep
-    their traceback). By name: this module is imported before JAX."""
+def out_of_memory(e: BaseException) -> str | None:
+    """The first line of XLA's allocation failure: a JaxRuntimeError whose status is RESOURCE_EXHAUSTED
+    and whose message says out of memory; None for anything else (other RESOURCE_EXHAUSTED errors, a
+    coordination service's say, keep their traceback). By name: this module is imported before JAX."""
     first = str(e).strip().split("\n", 1)[0]
-    return (type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and first.startswith("RESOURCE_EXHAUSTED")
-            and "out of memory" in first.lower())
+    oom = (type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and first.startswith("RESOURCE_EXHAUSTED")
+           and "out of memory" in first.lower())
+    return first if oom else None
 
 
 INTERRUPTED = "interrupted; run the same command to start again (training resumes from its newest checkpoint, if any)"
