@@ -30,11 +30,23 @@ import jax
 from jaxgpt.config import ModelConfig
 from jaxgpt.model import param_count
 
-# Dense peak FLOP/s per device, by a substring of `device.device_kind`, for bf16 and fp8 matmuls.
+# Dense (no sparsity) peak FLOP/s per device for bf16 and fp8 matmuls, from the vendors' data
+# sheets, by a substring of `device.device_kind` ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+# "TPU v5 lite"). The first match wins, so a more specific name comes before the one it contains
+# ("H100 PCIe" before "H100", "L40S" before "L4", "TPU v5 lite" before "TPU v5").
 PEAK_FLOPS: dict[str, dict[str, float]] = {
-    "H100": {"bfloat16": 989e12, "fp8": 1979e12},
-    "H200": {"bfloat16": 989e12, "fp8": 1979e12},
+    "H100 PCIe": {"bfloat16": 756e12, "fp8": 1513e12},
+    "H100": {"bfloat16": 989e12, "fp8": 1979e12},   # SXM
+    "H200": {"bfloat16": 989e12, "fp8": 1979e12},   # also GH200
+    "H800": {"bfloat16": 989e12, "fp8": 1979e12},
+    "B200": {"bfloat16": 2250e12, "fp8": 4500e12},
     "A100": {"bfloat16": 312e12},
+    "L40S": {"bfloat16": 362e12, "fp8": 733e12},
+    "L4": {"bfloat16": 121e12, "fp8": 242e12},
+    "TPU v4": {"bfloat16": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12},             # v5e
+    "TPU v5": {"bfloat16": 459e12},                  # v5p
+    "TPU v6 lite": {"bfloat16": 918e12},             # v6e (Trillium)
 }
 
 

@@ -182,3 +182,13 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch, shakespeare_dir):
 def test_bad_profile_steps_is_a_user_error(tmp_path):
     proc = run_cli("--run-dir", str(tmp_path / "run"), *TINY, "logging.profile_steps=3")
     assert proc.returncode == EXIT_USER_ERROR and proc.stderr.startswith("error: logging.profile_steps must be")
+
+
+@pytest.mark.parametrize("kind, precision, peak", [
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+    ("NVIDIA H200", "fp8", 1979e12), ("NVIDIA L40S", "bfloat16", 362e12), ("NVIDIA L4", "bfloat16", 121e12),
+    ("TPU v5 lite", "bfloat16", 197e12), ("TPU v5", "bfloat16", 459e12),
+    ("NVIDIA A100-SXM4-80GB", "fp8", None), ("cpu", "bfloat16", None)])
+def test_peak_flops_takes_the_most_specific_device_name(kind, precision, peak):
+    from jaxgpt.metrics import peak_flops  # MFU's denominator; null (None) where the peak is unknown
+    assert peak_flops(types.SimpleNamespace(device_kind=kind), precision) == peak
