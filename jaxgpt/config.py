@@ -195,8 +195,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
-    tasks: str = _f("", "multiple-choice tasks scored at evaluations, 'NAME=PATH,NAME=PATH' (YAML: a mapping "
-                    "NAME: PATH); each a HellaSwag JSONL file or a {context, choices, label} JSONL file")
+    tasks: str = _f("", "multiple-choice tasks scored at evaluations, 'NAME=PATH,NAME=PATH' (a PATH alone is "
+                    "named by its file name; YAML: a mapping NAME: PATH); each a HellaSwag JSONL file or a {context, choices, label} JSONL file")
     task_every: int = _f(0, "score the tasks every N steps (a multiple of train.eval_every), at the first and the "
                          "last evaluation; 0 = at every evaluation", range=NONNEGATIVE)
     task_limit: int = _f(0, "score only the first N examples of each task; 0 = all", range=NONNEGATIVE)

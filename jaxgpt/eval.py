@@ -1,4 +1,4 @@
-"""`python -m jaxgpt.eval RUN_DIR --task NAME=PATH [--task NAME=PATH ...] [options]`: task accuracy of a checkpoint.
+"""`python -m jaxgpt.eval RUN_DIR --task [NAME=]PATH [--task [NAME=]PATH ...] [options]`: task accuracy of a checkpoint.
 
 Restores the newest readable checkpoint of a run (or a checkpoints dir), places its parameters on
 a mesh of all devices (`--mesh`, default every device on dp, sharded as in training by
@@ -30,8 +30,9 @@ def _main(argv: Sequence[str] | None) -> None:
 
     parser = ArgumentParser(prog="python -m jaxgpt.eval", description="Score multiple-choice tasks with a checkpoint.")
     parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
-    parser.add_argument("--task", action="append", required=True, metavar="NAME=PATH",
-                        help="a HellaSwag JSONL file or a {context, choices, label} JSONL file; repeatable")
+    parser.add_argument("--task", action="append", required=True, metavar="[NAME=]PATH",
+                        help="a HellaSwag JSONL file or a {context, choices, label} JSONL file, named NAME in "
+                             "the output (default: the file name without its extension); repeatable")
     parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of each task (0 = all)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch, rounded up to a multiple "
                                                                     "of the mesh's batch devices (default 32)")

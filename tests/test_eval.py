@@ -119,7 +119,10 @@ def test_task_config_is_checked_before_compiling():
     assert "does not pipeline" in refused("eval.tasks=a=x.jsonl", "train.eval_every=2", mesh="pp=2,dp=4")
     assert "given twice" in refused("eval.tasks=a=x.jsonl,a=y.jsonl", "train.eval_every=2")
     assert "only letters" in refused("eval.tasks=a/b=x.jsonl", "train.eval_every=2")
-    assert "NAME=PATH" in refused("eval.tasks=x.jsonl", "train.eval_every=2")
+    assert "NAME=PATH" in refused("eval.tasks==x.jsonl", "train.eval_every=2")
+    assert "give NAME=PATH" in refused("eval.tasks=my task.jsonl", "train.eval_every=2")
+    assert parse_spec("data/hellaswag_val.jsonl, mc=m.jsonl") == [("hellaswag_val", Path("data/hellaswag_val.jsonl")),
+                                                                 ("mc", Path("m.jsonl"))]  # a PATH alone: its stem
     from jaxgpt.config import _apply, Config
     cfg = _apply(Config(), {"eval.tasks": {"hs": "h.jsonl", "mc": "m.jsonl"}}, "a YAML file")  # YAML mapping
     assert parse_spec(cfg.eval.tasks) == [("hs", Path("h.jsonl")), ("mc", Path("m.jsonl"))]

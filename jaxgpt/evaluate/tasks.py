@@ -56,13 +56,19 @@ class Task(NamedTuple):
 
 
 def parse_spec(spec: str, what: str = "eval.tasks") -> list[tuple[str, Path]]:
-    """'NAME=PATH,NAME=PATH' -> [(name, path)], the names checked (allowed characters, unique)."""
+    """'NAME=PATH,PATH,...' -> [(name, path)], the names checked (allowed characters, unique). A PATH
+    alone is named by its file name without the extension (hellaswag_val.jsonl -> hellaswag_val)."""
     out: list[tuple[str, Path]] = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, path = part.partition("=")
         name, path = name.strip(), path.strip()
-        if not sep or not name or not path:
-            raise UserError(f"{what}: '{part}' is not of the form NAME=PATH")
+        if not sep:
+            name, path = Path(name).stem, name
+            if not NAME.match(name):
+                raise UserError(f"{what}: the file name of '{part}' cannot name a task (letters, digits, '_', "
+                                f"'.' and '-'); give NAME=PATH")
+        if not name or not path:
+            raise UserError(f"{what}: '{part}' is not of the form NAME=PATH or PATH")
         if not NAME.match(name):
             raise UserError(f"{what}: task name '{name}' may hold only letters, digits, '_', '.' and '-'")
         if name in (n for n, _ in out):
