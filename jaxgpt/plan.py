@@ -113,6 +113,19 @@ def device_memory(device) -> int | None:
         return None
 
 
+def memory_per_device(devices: Sequence) -> int | None:
+    """What one of `devices` may use, as `model.remat=auto` and the training run see it: a GPU's
+    allocator limit; on a CPU, the host memory this process can still allocate (`host_memory_available`)
+    shared by its local devices, as check_memory counts it (fake CPU devices each hold their own
+    copy or shard). None where neither is known."""
+    device = local_device(devices)
+    if device.platform != "cpu":
+        return device_memory(device)
+    available = host_memory_available()
+    local = sum(d.process_index == device.process_index for d in devices)
+    return None if available is None else available // local
+
+
 def host_memory_available() -> int | None:
     """Bytes this process can still allocate on the host: /proc/meminfo's MemAvailable, capped by
     the cgroup's (a container's) memory.max less its memory.current; None where Linux does not say."""

@@ -67,7 +67,7 @@ from jaxgpt.model import compute_dtype, param_count, remat
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import abstract_inputs, check_memory, device_memory, local_device, plan
+from jaxgpt.plan import abstract_inputs, check_memory, local_device, memory_per_device, plan
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
@@ -158,8 +158,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, cache=verified)
     validate(cfg, len(devices), data_vocab)
     tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
-    local = local_device(devices)  # this process's: the one whose memory it can ask
-    cfg, remat_why, _ = remat.resolve(cfg, device_memory(local), lambda c: plan(c, devices))  # model.remat=auto
+    memory = memory_per_device(devices)  # a GPU's allocator limit; a CPU's share of the host's memory
+    cfg, remat_why, _ = remat.resolve(cfg, memory, lambda c: plan(c, devices, memory))  # model.remat=auto
     t, m = cfg.train, cfg.model
     pid = jax.process_index()
     mesh = make_mesh(sizes, devices)
@@ -183,7 +183,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             train_step = make_train_step(cfg, mesh, setup)
             # Before anything is written: a run too big for its devices is one line, not the OOM
             # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
-            check_memory(train_step, abstract, abstract_batch, mesh, local)
+            check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices))
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     except BaseException:

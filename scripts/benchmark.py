@@ -86,7 +86,8 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     """One config's figures (module docstring); with `variants`, a list: each of them timed in
     turn, step by step (--alternate), without the input pipeline."""
     devices = distributed.ordered_devices()
-    cfg = remat.resolve(cfg, plan.device_memory(devices[0]), lambda c: plan.plan(c, devices))[0]  # remat=auto
+    memory = plan.memory_per_device(devices)  # model.remat=auto, as in training
+    cfg = remat.resolve(cfg, memory, lambda c: plan.plan(c, devices, memory))[0]
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     tokens = data.load_split(data_dir, "train")

@@ -191,3 +191,23 @@ def test_a_step_over_an_accelerators_memory_is_refused_before_it_runs():
     with pytest.raises(UserError, match=r"the train step needs .* GiB of memory per GPU device .* more devices"):
         check_memory(step, state, batch, mesh, _GPU(peak - 1))
     check_memory(step, state, batch, mesh, _GPU(peak))
+
+
+def test_remat_auto_on_a_cpu_fits_the_hosts_memory(tmp_path, monkeypatch, capsys, shakespeare_dir):
+    """On a CPU, model.remat=auto fits the host memory still available shared by the local devices,
+    the same figure check_memory holds the step to: with too little for 'none' it takes a policy with
+    recompute, and that run trains."""
+    from jaxgpt import plan as plan_module
+    from jaxgpt.model import remat
+    from jaxgpt.train import train
+
+    cfg = tiny_config("model.remat=auto", "train.steps=1", "train.eval_every=0", "checkpoint.every=0",
+                      mesh="dp=8")
+    peaks = {p: plan(remat.with_remat(cfg, p), jax.devices())["memory"]["peak"] for p in ("none", "full")}
+    assert peaks["full"] < peaks["none"], peaks
+    host = 8 * (peaks["none"] - 1)  # every policy with recompute that fits is taken before full
+    monkeypatch.setattr(plan_module, "host_memory_available", lambda: host)
+    assert plan_module.memory_per_device(jax.devices()) == peaks["none"] - 1
+    train(cfg, tmp_path / "run")
+    out = capsys.readouterr().out
+    assert "the least recompute that fits" in out and "| remat none" not in out, out

@@ -11,8 +11,11 @@ Policies from least to most recompute (REMAT_POLICIES):
 order and takes the first whose per-device total (XLA's memory analysis: arguments + outputs -
 donated + temporaries + code) is within the device's memory. It is a compile, not a guess, so it is
 as right as XLA's own memory plan; it costs one compile per policy tried, before training starts.
-Where the device does not say how much memory it has (a CPU), there is nothing to fit and `auto`
-means `none`, said so at start-up.
+On a GPU the memory is the allocator's limit; on a CPU it is the host memory the process can
+still allocate, shared by its local devices (`jaxgpt.plan.memory_per_device`, the figure the
+train step is checked against before it runs). Where neither is known there is nothing to fit
+and `auto` means `none`, said so at start-up. (`python -m jaxgpt.plan` on CPU devices fits nothing
+unless --device-memory-gib is given: its fake devices stand for GPUs, not this host.)
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def resolve(cfg: Config, memory_bytes: int | None,
     if cfg.model.remat != "auto":
         return cfg, f"model.remat={cfg.model.remat}", None
     if memory_bytes is None:
-        return with_remat(cfg, "none"), "auto: the device does not report its memory (CPU), so none", None
+        return with_remat(cfg, "none"), "auto: the device's memory is unknown, so none", None
     tried = []
     for policy in ORDER:
         candidate = with_remat(cfg, policy)
