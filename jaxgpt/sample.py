@@ -79,6 +79,27 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, cfg: Config) -> None:
                         f"model's context of {cfg.model.seq_len} tokens")
 
 
+def check_host_memory(cfg: Config, num_samples: int, prompt_tokens: int) -> None:
+    """On a CPU, one line before anything is read instead of the kernel's OOM killer part-way: the
+    parameters (fp32, as restored), the KV cache ([L, B, seq_len, G, K] keys and values) and the
+    prompt's fp32 logits ([B, prompt, V]) are held at once, a lower bound of what sampling needs, so
+    a refusal is never wrong. A GPU's out-of-memory is XLA's RESOURCE_EXHAUSTED, one line from run_main."""
+    from jaxgpt.model import param_count
+    from jaxgpt.plan import GIB, host_memory_available
+
+    if jax.devices()[0].platform != "cpu" or (available := host_memory_available()) is None:
+        return
+    m = cfg.model
+    params = 4 * param_count(m)
+    cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(compute_dtype(m.dtype)).itemsize
+    logits = 4 * num_samples * prompt_tokens * m.padded_vocab
+    if params + cache + logits > available:
+        raise UserError(f"sampling needs at least {(params + cache + logits) / GIB:.1f} GiB of host memory (parameters "
+                        f"{params / GIB:.1f} GiB, KV cache {cache / GIB:.1f} GiB, the prompt's logits "
+                        f"{logits / GIB:.1f} GiB), but {available / GIB:.1f} GiB is available; use fewer "
+                        f"--num-samples or a shorter prompt")
+
+
 def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
     B, _ = prompt_BT.shape
     dtype = compute_dtype(cfg.model.dtype)
@@ -135,7 +156,11 @@ def _sample(argv: Sequence[str] | None) -> None:
     enc = gpt2_encoding()
     # "<|endoftext|>" in a prompt is the document separator, as Hugging Face's GPT-2 tokenizer reads it
     prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
-    params, cfg, step = restore_params(args.run, check=lambda cfg: check_fits(len(prompt), args.max_new_tokens, cfg))
+    def check(cfg: Config) -> None:  # before any parameter is read
+        check_fits(len(prompt), args.max_new_tokens, cfg)
+        check_host_memory(cfg, args.num_samples, len(prompt))
+
+    params, cfg, step = restore_params(args.run, check=check)
     if args.mesh:
         params, _ = shard_params(params, cfg, args.mesh)
     prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
