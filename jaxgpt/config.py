@@ -107,7 +107,7 @@ class ModelConfig:
                         "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
                     "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
-                    "device (none on CPU)", ("none", "full", "dots", "dots_no_batch", "auto"))
+                    "device (on a CPU: the host memory available, shared by the local devices)", ("none", "full", "dots", "dots_no_batch", "auto"))
     scan_layers: bool = _f(True, "run the blocks as one scanned loop (compile time independent of depth); false "
                            "unrolls it: longer compiles, but the backward pass reads each block's saved "
                            "activations in place instead of through per-layer stacked copies (faster on GPU, "

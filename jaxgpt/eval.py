@@ -45,8 +45,9 @@ def _main(argv: Sequence[str] | None) -> None:
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
     specs = [pair for spec in args.task for pair in parse_spec(spec, "--task")]
-    if len({name for name, _ in specs}) < len(specs):
-        raise UserError("--task: a task name is given twice")
+    names = [name for name, _ in specs]
+    if twice := next((n for i, n in enumerate(names) if n in names[:i]), None):
+        raise UserError(f"--task: task name '{twice}' is given twice; name each task (NAME=PATH)")
     tasks = []
 
     def read_tasks(cfg: Config) -> None:  # before any parameter is read

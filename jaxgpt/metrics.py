@@ -33,15 +33,20 @@ from jaxgpt.model import param_count
 # Dense (no sparsity) peak FLOP/s per device for bf16 and fp8 matmuls, from the vendors' data
 # sheets, by a substring of `device.device_kind` ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
 # "TPU v5 lite"). The first match wins, so a more specific name comes before the one it contains
-# ("H100 PCIe" before "H100", "L40S" before "L4", "TPU v5 lite" before "TPU v5").
+# ("H100 PCIe" before "H100", "GB200" before "B200", "L40" before "L4", "TPU v5 lite" before "TPU v5").
 PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bfloat16": 756e12, "fp8": 1513e12},
+    "H100 NVL": {"bfloat16": 835e12, "fp8": 1671e12},
     "H100": {"bfloat16": 989e12, "fp8": 1979e12},   # SXM
-    "H200": {"bfloat16": 989e12, "fp8": 1979e12},   # also GH200
+    "H200 NVL": {"bfloat16": 835e12, "fp8": 1671e12},
+    "H200": {"bfloat16": 989e12, "fp8": 1979e12},   # SXM, also GH200
+    "H800 PCIe": {"bfloat16": 756e12, "fp8": 1513e12},
     "H800": {"bfloat16": 989e12, "fp8": 1979e12},
+    "GB200": {"bfloat16": 2500e12, "fp8": 5000e12},
     "B200": {"bfloat16": 2250e12, "fp8": 4500e12},
     "A100": {"bfloat16": 312e12},
     "L40S": {"bfloat16": 362e12, "fp8": 733e12},
+    "L40": {"bfloat16": 181e12, "fp8": 362e12},
     "L4": {"bfloat16": 121e12, "fp8": 242e12},
     "TPU v4": {"bfloat16": 275e12},
     "TPU v5 lite": {"bfloat16": 197e12},             # v5e

@@ -24,8 +24,9 @@ the device memory the target states. It needs `pip install -e ".[gpu-compile]"`.
 plan also predicts the step time, tokens/s and MFU on that GPU from the compiled program, kernel by
 kernel, with each group's share (jaxgpt/gpu/cost.py: a model calibrated on measured H100 steps).
 
-`model.remat=auto` is resolved here as in training (jaxgpt/model/remat.py): the plan names the policy
-it chose and why.
+`model.remat=auto` is resolved here as in training (jaxgpt/model/remat.py) against the device's
+memory (a target's, a GPU's, or --device-memory-gib; CPU devices here stand for GPUs, so without
+that flag they fit nothing and auto means none): the plan names the policy it chose and why.
 """
 
 from __future__ import annotations
@@ -117,10 +118,16 @@ def memory_per_device(devices: Sequence) -> int | None:
     """What one of `devices` may use, as `model.remat=auto` and the training run see it: a GPU's
     allocator limit; on a CPU, the host memory this process can still allocate (`host_memory_available`)
     shared by its local devices, as check_memory counts it (fake CPU devices each hold their own
-    copy or shard). None where neither is known."""
+    copy or shard). None where neither is known, and for a CPU job of several processes: each would
+    read its own host's free memory at its own moment, and processes that chose different remat
+    policies would compile different programs around the same collectives."""
+    import jax
+
     device = local_device(devices)
     if device.platform != "cpu":
         return device_memory(device)
+    if jax.process_count() > 1:
+        return None
     available = host_memory_available()
     local = sum(d.process_index == device.process_index for d in devices)
     return None if available is None else available // local
@@ -141,7 +148,7 @@ def host_memory_available() -> int | None:
     return min(available) if available else None
 
 
-def check_memory(step, state, batch, mesh, device) -> None:
+def check_memory(step, state, batch, mesh, device, per_device: int | None = None) -> None:
     """A UserError, before anything runs, when the run cannot fit its devices' memory.
 
     On a CPU the devices' memory is the host's, and running out ends the process with no word (the
@@ -150,14 +157,19 @@ def check_memory(step, state, batch, mesh, device) -> None:
     what it holds (`device_memory`: a GPU's allocator limit), the memory analysis against that: a
     step whose buffers exceed it would fail at its first call with XLA's RESOURCE_EXHAUSTED. `step`
     is the train loop's own jitted step, so the compile here is the one its first call reuses.
-    state and batch: the step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`)."""
+    state and batch: the step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`).
+    per_device: `memory_per_device`'s figure where the caller already read it (train: the one
+    `model.remat=auto` chose against, so the two never disagree); default: read now."""
     import jax
 
     cpu = device.platform == "cpu"
-    available = host_memory_available() if cpu else device_memory(device)
+    local = len(mesh.local_devices) if cpu else 1  # fake CPU devices each hold their own copy or shard
+    if per_device is not None:
+        available = per_device * local
+    else:
+        available = host_memory_available() if cpu else device_memory(device)
     if available is None:
         return
-    local = len(mesh.local_devices) if cpu else 1  # fake CPU devices each hold their own copy or shard
     where = f"host memory over {local} CPU device(s)" if cpu else f"memory per {device.platform.upper()} device"
     state_bytes = per_device_bytes(state) * local
     if state_bytes > available:

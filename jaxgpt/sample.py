@@ -97,7 +97,7 @@ def check_host_memory(cfg: Config, num_samples: int, prompt_tokens: int) -> None
         raise UserError(f"sampling needs at least {(params + cache + logits) / GIB:.1f} GiB of host memory (parameters "
                         f"{params / GIB:.1f} GiB, KV cache {cache / GIB:.1f} GiB, the prompt's logits "
                         f"{logits / GIB:.1f} GiB), but {available / GIB:.1f} GiB is available; use fewer "
-                        f"--num-samples or a shorter prompt")
+                        f"--num-samples, a shorter prompt or a machine with more memory")
 
 
 def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):

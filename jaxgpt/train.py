@@ -183,7 +183,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             train_step = make_train_step(cfg, mesh, setup)
             # Before anything is written: a run too big for its devices is one line, not the OOM
             # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
-            check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices))
+            check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices), memory)
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     except BaseException:

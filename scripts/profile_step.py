@@ -91,7 +91,8 @@ def _target(device_kind: str) -> str | None:
 def profile(cfg, steps: int, warmup: int, out: Path) -> tuple[dict, str, float]:
     """Traces `steps` steps into `out`; returns (kernel times, compiled HLO, wall seconds per step)."""
     devices = distributed.ordered_devices()
-    cfg = remat.resolve(cfg, plan.device_memory(devices[0]), lambda c: plan.plan(c, devices))[0]
+    memory = plan.memory_per_device(devices)  # model.remat=auto, as in training
+    cfg = remat.resolve(cfg, memory, lambda c: plan.plan(c, devices, memory))[0]
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     t, m = cfg.train, cfg.model

@@ -121,6 +121,8 @@ def test_task_config_is_checked_before_compiling():
     assert "only letters" in refused("eval.tasks=a/b=x.jsonl", "train.eval_every=2")
     assert "NAME=PATH" in refused("eval.tasks==x.jsonl", "train.eval_every=2")
     assert "give NAME=PATH" in refused("eval.tasks=my task.jsonl", "train.eval_every=2")
+    assert "name each task (NAME=PATH)" in refused("eval.tasks=a/val.jsonl,b/val.jsonl", "train.eval_every=2")
+    assert "the form is NAME=PATH or PATH" in refused("eval.tasks=runs/lr=3e-4/val.jsonl", "train.eval_every=2")
     assert parse_spec("data/hellaswag_val.jsonl, mc=m.jsonl") == [("hellaswag_val", Path("data/hellaswag_val.jsonl")),
                                                                  ("mc", Path("m.jsonl"))]  # a PATH alone: its stem
     from jaxgpt.config import _apply, Config

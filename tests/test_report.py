@@ -186,7 +186,8 @@ def test_bad_profile_steps_is_a_user_error(tmp_path):
 
 @pytest.mark.parametrize("kind, precision, peak", [
     ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 PCIe", "bfloat16", 756e12),
-    ("NVIDIA H200", "fp8", 1979e12), ("NVIDIA L40S", "bfloat16", 362e12), ("NVIDIA L4", "bfloat16", 121e12),
+    ("NVIDIA H200", "fp8", 1979e12), ("NVIDIA L40S", "bfloat16", 362e12), ("NVIDIA L40", "bfloat16", 181e12), ("NVIDIA L4", "bfloat16", 121e12),
+    ("NVIDIA H100 NVL", "bfloat16", 835e12), ("NVIDIA GB200", "bfloat16", 2500e12), ("NVIDIA B200", "fp8", 4500e12),
     ("TPU v5 lite", "bfloat16", 197e12), ("TPU v5", "bfloat16", 459e12),
     ("NVIDIA A100-SXM4-80GB", "fp8", None), ("cpu", "bfloat16", None)])
 def test_peak_flops_takes_the_most_specific_device_name(kind, precision, peak):

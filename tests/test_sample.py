@@ -82,9 +82,12 @@ def test_sample_cli_streams_text(trained_run):
     assert proc.stdout.startswith("ROMEO:") and len(proc.stdout) > len("ROMEO:\n")
 
 
-def test_sample_cli_bad_input(trained_run, capsys):
+def test_sample_cli_bad_input(trained_run, capsys, monkeypatch):
     """In-process through main(): exit 2 and one error line before any other output (no header, no prompt)."""
+    from jaxgpt import plan
     from jaxgpt.sample import main
+
+    monkeypatch.setattr(plan, "host_memory_available", lambda: 24 * 2**30)  # as if every host said so
 
     for args, fragment in [
         (["--max-new-tokens", "40"], "the prompt (1 tokens) plus --max-new-tokens (40) exceeds the model's context "

@@ -70,9 +70,10 @@ def parse_spec(spec: str, what: str = "eval.tasks") -> list[tuple[str, Path]]:
         if not name or not path:
             raise UserError(f"{what}: '{part}' is not of the form NAME=PATH or PATH")
         if not NAME.match(name):
-            raise UserError(f"{what}: task name '{name}' may hold only letters, digits, '_', '.' and '-'")
+            raise UserError(f"{what}: task name '{name}' may hold only letters, digits, '_', '.' and '-' "
+                            f"(in '{part}'; the form is NAME=PATH or PATH)")
         if name in (n for n, _ in out):
-            raise UserError(f"{what}: task name '{name}' is given twice")
+            raise UserError(f"{what}: task name '{name}' is given twice; name each task (NAME=PATH)")
         out.append((name, Path(path)))
     return out
 
