@@ -183,7 +183,11 @@ class Checkpointer:
         _quiet_closed_loops()
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
-        skipped: list[tuple[Path, str]] = []
+        # A file with a step's name (Orbax lists only directories) is no checkpoint but says one was
+        # there: counted as damaged, so a run whose only "checkpoint" it is stops, not starts over.
+        strays = [p for p in self.directory.iterdir() if p.name.isdigit() and not p.is_dir()] \
+            if self.directory.is_dir() else []
+        skipped: list[tuple[Path, str]] = [(p, "a file, not a checkpoint directory") for p in strays]
         for step in steps:
             restored, why = self._try_restore(step, abstract, params_only, config)
             if restored is not None:
@@ -191,7 +195,7 @@ class Checkpointer:
             skipped.append((self.step_path(step), why))
         else:
             restored = None
-        if restored is None and steps:  # a run that stops: one line for all of them
+        if restored is None and skipped:  # a run that stops: one line for all of them
             groups: dict[str, list[str]] = {}  # one reason, the steps it holds for
             for path, reason in skipped:
                 groups.setdefault(reason, []).append(path.name)
@@ -232,6 +236,9 @@ class Checkpointer:
         for path, reason in paths:
             target = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}"
             if jax.process_index() == 0:
+                if (self.directory / DAMAGED_DIR).exists() and not (self.directory / DAMAGED_DIR).is_dir():
+                    raise UserError(f"{self.directory / DAMAGED_DIR} is a file, where damaged checkpoints are "
+                                    f"moved; move it away")
                 n = 1
                 while target.exists():  # two set-asides of one step within a second
                     target, n = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}-{n}", n + 1
@@ -280,7 +287,11 @@ class Checkpointer:
                             {}, path)
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        return Restored(step, out.state, dict(out.data), path)
+        data_state = out.data
+        if not (isinstance(data_state, dict) and type(data_state.get("next_index")) is int
+                and data_state["next_index"] >= 0):  # Grain's iterator position, read back by set_state
+            raise ValueError(f"its data iterator state is not {{'next_index': N >= 0}}: {str(data_state)[:80]}")
+        return Restored(step, out.state, dict(data_state), path)
 
     def stored_config(self, step: int) -> dict[str, Any] | None:
         """The config a checkpoint was written with (its `config` item), or None if unreadable."""

@@ -14,6 +14,7 @@ Exit codes (documented in the README):
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -56,11 +57,34 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
         _say_interrupted()
         return EXIT_INTERRUPTED
     except RuntimeError as e:
-        if (line := out_of_memory(e)) is None:
+        if (line := out_of_memory(e)) is None and (line := disk_full(e)) is None:
             raise
-        print(f"error: a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}", file=sys.stderr, flush=True)
+        print(f"error: a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}" if out_of_memory(e) else
+              f"error: {line}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except (OSError, ValueError) as e:  # TensorStore reports a full disk as a ValueError
+        if (line := disk_full(e)) is not None:
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            return EXIT_FAILED
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
+            print(f"error: cannot write {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
+                  f"another user's); fix its permissions or choose another path", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
+        raise
     return EXIT_OK
+
+
+def disk_full(e: BaseException) -> str | None:
+    """One line for a full disk or quota (an OSError's ENOSPC/EDQUOT, or TensorStore's message
+    saying so while Orbax writes a checkpoint); None for anything else."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" writing {e.filename}" if e.filename else ""
+    elif "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+        where = ""
+    else:
+        return None
+    return (f"the disk is full{where} ({str(e).strip().splitlines()[0][:200]}); free space or choose another "
+            f"run dir, then re-run the same command to resume from the last committed checkpoint")
 
 
 OUT_OF_MEMORY_HINT = ("a smaller batch or model, or more devices, need less (training: train.grad_accum, "

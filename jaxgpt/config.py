@@ -353,6 +353,14 @@ def _apply(cfg: Config, flat: dict[str, Any], source: str) -> Config:
         cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in updates.items()})
 
 
+def from_dict(tree: Any, source: str) -> Config:
+    """A Config from a stored {section: {key: value}} (a checkpoint's config item), every value
+    type- and range-checked as a YAML file's are (UserError naming `source`); keys this version no
+    longer has are dropped, so older checkpoints still read."""
+    keys = all_keys()
+    return _apply(Config(), {k: v for k, v in _flatten_yaml(tree, source).items() if k in keys}, source)
+
+
 def _flatten_yaml(tree: Any, source: str) -> dict[str, Any]:
     if tree is None:
         return {}

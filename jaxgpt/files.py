@@ -23,6 +23,7 @@ NotADirectoryError from deep inside Orbax or TensorBoard.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,9 +74,11 @@ def require_dir(path: Path, what: str) -> Path:
 def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterable[str] = ()) -> Path:
     """Checks that `path` can be (or already is) a directory holding the named files and subdirs.
 
-    Nothing is created. Fails when `path` or one of its parents exists as a non-directory, or when
+    Nothing is created. Fails when `path` or one of its parents exists as a non-directory, when
     a named entry exists as the wrong kind (a file called `checkpoints`, a directory called
-    `metrics.jsonl`).
+    `metrics.jsonl`), or when `path` (else the nearest parent that exists) or an existing named entry
+    cannot be written by this process (access(2): a read-only mount, an immutable file, another
+    user's): found before any work, not at the first save.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -83,16 +86,29 @@ def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterabl
     for parent in reversed(path.absolute().parents):
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{what} {path} cannot be a directory: its parent {parent} is {kind(parent)}")
+    nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    _require_access(nearest, f"{what} {path} cannot be written: {nearest}" if nearest != path.absolute()
+                    else f"{what} {path} cannot be written")
     for name in files:
         entry = path / name
         if entry.exists() and not entry.is_file():
             raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt writes a file there; move it away")
+        _require_access(entry, f"{entry} in {what} {path} cannot be written")
     for name in dirs:
         entry = path / name
         if entry.exists() and not entry.is_dir():
             raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt keeps a directory there; "
                             f"move it away")
+        _require_access(entry, f"{entry} in {what} {path} cannot be written")
     return path
+
+
+def _require_access(path: Path, message: str) -> None:
+    """UserError(message + why) when `path` exists and this process may not write it (a directory:
+    create entries in it)."""
+    if path.exists() and not os.access(path, os.W_OK | (os.X_OK if path.is_dir() else 0)):
+        raise UserError(f"{message}: it is read-only or not writable by this user (a read-only mount, an "
+                        f"immutable file or another user's); fix its permissions or choose another path")
 
 
 def writable_file(path: Path, what: str) -> Path:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.data.corpus import DEFAULT_SHARD_TOKENS, default_workers, prepare_corpus
+from jaxgpt.errors import UserError
 
 
 def _prepare(argv: Sequence[str] | None) -> None:
@@ -42,6 +43,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
     parser.add_argument("--progress", default="auto", choices=("auto", "bar", "lines"),
                         help="a progress bar on a terminal, else periodic lines (auto)")
     args = parser.parse_args(argv)
+    if not 0 < args.batch_mb < 1e6:  # also refuses nan and inf
+        raise UserError(f"--batch-mb must be in (0, 1e6), got {args.batch_mb}.")
     separator = args.separator
     if separator is not None:
         separator = separator.encode("latin-1", "backslashreplace").decode("unicode_escape")

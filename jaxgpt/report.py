@@ -34,6 +34,7 @@ diverged before logging anything still gets a report from its events.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -84,6 +85,8 @@ def _sessions(events: list[dict]) -> list[tuple[dict, dict | None]]:
 
 
 def _duration(seconds: float) -> str:
+    if not math.isfinite(seconds):  # a hand-edited events.jsonl ("time": NaN): JSON allows it, int() does not
+        return "unknown"
     s = int(round(seconds))
     if seconds < 60:
         return f"{seconds:.1f}s"
@@ -328,7 +331,9 @@ def _main(argv: Sequence[str] | None) -> None:
     parser = ArgumentParser(prog="python -m jaxgpt.report", description="Write RUN_DIR/report.md and loss.png.",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="a run dir written by python -m jaxgpt.train")
-    path = write_report(parser.parse_args(argv).run_dir)
+    run_dir = files.require_dir(parser.parse_args(argv).run_dir, "run dir")
+    files.writable_dir(run_dir, "run dir", files=("report.md", "loss.png", "tasks.png"))  # before reading it all
+    path = write_report(run_dir)
     print(f"wrote {path} and {path.with_name('loss.png')}")
 
 

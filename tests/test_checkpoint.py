@@ -267,6 +267,23 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(three_checkpoints)
     assert sorted(p.name for p in ckpts.iterdir()) == ["2", "4", "6"]
 
 
+def test_hand_edited_data_state_and_a_file_named_like_a_step_are_damage(three_checkpoints, capsys):
+    """Well-formed JSON of the wrong shape in a step's data iterator state, and a file where a step's
+    directory was, count as damaged checkpoints (skipped with a warning; if nothing else reads back,
+    the run stops) rather than a traceback from Grain or a silent fresh start."""
+    ckpts = three_checkpoints / "checkpoints"
+    (ckpts / "6" / "data" / "metadata").write_text("{}")
+    shutil.rmtree(ckpts / "4")
+    (ckpts / "4").write_text("not a checkpoint")
+    assert _restore(three_checkpoints).step == 2
+    err = capsys.readouterr().err
+    assert f"skipping checkpoint {ckpts / '4'}: a file, not a checkpoint directory" in err
+    assert f"skipping checkpoint {ckpts / '6'}: unreadable (ValueError: its data iterator state is not" in err
+    (ckpts / "2" / "data" / "metadata").write_text('{"next_index": -1}')
+    with pytest.raises(UserError, match=r"no checkpoint .* can be read: .*step 4: a file, not a checkpoint directory"):
+        _restore(three_checkpoints)
+
+
 def test_changed_model_shape_names_the_key_or_lists_the_mismatches(three_checkpoints):
     proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} "

@@ -104,6 +104,40 @@ def test_a_device_out_of_memory_is_one_line(capsys):
             run_main(lambda _argv, e=other: (_ for _ in ()).throw(e))
 
 
+def test_a_full_disk_or_an_unwritable_path_is_one_line(capsys, tmp_path, monkeypatch):
+    """A full disk (an OSError's ENOSPC, or TensorStore's ValueError saying so while Orbax saves)
+    met while running: one line, exit 1. A path this process may not write: found before any work
+    by access(2) (checked with a stand-in answer: tests run as root, which permission bits do not
+    stop), else one line from the OSError, exit 2. Other OSErrors keep their traceback."""
+    import errno
+
+    from jaxgpt import files
+    from jaxgpt.errors import UserError
+
+    def raising(e):
+        return lambda _argv: (_ for _ in ()).throw(e)
+
+    for e in (OSError(errno.ENOSPC, "No space left on device", "/run/metrics.jsonl"),
+              ValueError('RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database: No space left on device')):
+        assert run_main(raising(e)) == EXIT_FAILED
+        err = capsys.readouterr().err
+        assert err.startswith("error: the disk is full") and err.count("\n") == 1, err
+    assert run_main(raising(PermissionError(errno.EPERM, "Operation not permitted", "/run/config.yaml"))) == 2
+    assert capsys.readouterr().err.startswith("error: cannot write /run/config.yaml: Operation not permitted")
+    with pytest.raises(FileNotFoundError):
+        run_main(raising(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x")))
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    real = files.os.access
+    monkeypatch.setattr(files.os, "access", lambda p, mode: p != run / "checkpoints" and real(p, mode))
+    with pytest.raises(UserError, match=r"checkpoints in run dir .* cannot be written: it is read-only"):
+        files.writable_dir(run, "run dir", dirs=("checkpoints",))
+    monkeypatch.setattr(files.os, "access", lambda p, mode: p != tmp_path and real(p, mode))
+    with pytest.raises(UserError, match=r"export directory .*new cannot be written: .*: it is read-only"):
+        files.writable_dir(tmp_path / "new", "export directory")
+
+
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
     proc = run_cli("--run-dir", str(tmp_path), "--mesh", "dp=8", f"data.path={empty_data_dir}")
     _assert_one_line_error(proc, "train")

@@ -193,3 +193,9 @@ def test_bad_profile_steps_is_a_user_error(tmp_path):
 def test_peak_flops_takes_the_most_specific_device_name(kind, precision, peak):
     from jaxgpt.metrics import peak_flops  # MFU's denominator; null (None) where the peak is unknown
     assert peak_flops(types.SimpleNamespace(device_kind=kind), precision) == peak
+
+
+def test_a_non_finite_time_in_events_is_an_unknown_duration():
+    from jaxgpt.report import _duration  # JSON lets a hand-edited events.jsonl hold NaN or Infinity
+    assert [_duration(x) for x in (float("nan"), float("inf"), 59.94, 3725)] == ["unknown", "unknown", "59.9s",
+                                                                                 "1h 02m 05s"]

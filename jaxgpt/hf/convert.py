@@ -31,7 +31,7 @@ from safetensors.numpy import load_file, save_file
 
 from jaxgpt import files
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
-from jaxgpt.config import CheckpointConfig, Config, ModelConfig, load_config, sections
+from jaxgpt.config import CheckpointConfig, Config, ModelConfig, from_dict, load_config
 from jaxgpt.errors import UserError
 from jaxgpt.hf import gpt2, llama, tokenizer
 from jaxgpt.parallel.mesh import make_mesh
@@ -115,11 +115,6 @@ def check_dir(hf_dir: Path) -> tuple[str, int, dict[str, Any]]:
     return fmt.name, sum(x.size for x in fmt.to_hf(fmt.from_hf(tensors, m), m).values()), overrides
 
 
-def _config_from_dict(d: dict[str, Any]) -> Config:
-    return Config(**{s: cls(**{k: v for k, v in d.get(s, {}).items() if k in cls.__dataclass_fields__})
-                     for s, cls in sections().items()})
-
-
 def _one_device_mesh():
     return make_mesh({}, jax.devices()[:1])  # every axis 1
 
@@ -130,16 +125,18 @@ def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None
     ckpt_dir = find_checkpoint_dir(run_dir_or_ckpt)
     ckpt = Checkpointer(ckpt_dir, CheckpointConfig())
     try:
-        cfg = None
+        cfg, why = None, ""
         for step in sorted(ckpt.manager.all_steps(), reverse=True):  # the config saved with the checkpoint
             try:
-                cfg = _config_from_dict(ckpt.manager.restore(step, args=ocp.args.Composite(
-                    config=ocp.args.JsonRestore())).config)
+                stored = ckpt.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore())).config
+                cfg = from_dict(dict(stored), f"the config stored in {ckpt_dir / str(step)}")
                 break
+            except UserError as e:  # a hand-edited value: said if no older step has a good one
+                why = f" ({e})"
             except Exception:  # noqa: BLE001 - damaged: restore_latest below warns about it
                 continue
         if cfg is None:
-            raise UserError(f"no checkpoint in {ckpt_dir} has a readable config")
+            raise UserError(f"no checkpoint in {ckpt_dir} has a readable config{why}")
         if check is not None:
             check(cfg)
         mesh = _one_device_mesh()
