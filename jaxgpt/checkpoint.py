@@ -283,10 +283,12 @@ class Checkpointer:
     def _restore(self, step: int, abstract: TrainState, params_only: bool) -> Restored:
         path = self.step_path(step)
         if params_only:
-            return Restored(step, TrainState(jnp.asarray(step, jnp.int32), _read_params(path, abstract), None),
-                            {}, path)
+            params = _read_params(path, abstract)
+            _require_finite(params)
+            return Restored(step, TrainState(jnp.asarray(step, jnp.int32), params, None), {}, path)
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+        _require_finite(out.state.params)
         data_state = out.data
         if not (isinstance(data_state, dict) and type(data_state.get("next_index")) is int
                 and data_state["next_index"] >= 0):  # Grain's iterator position, read back by set_state
@@ -309,6 +311,19 @@ class Checkpointer:
         else:
             what = "; ".join(mismatches[:8]) + (f"; and {len(mismatches) - 8} more" if len(mismatches) > 8 else "")
         return f"checkpoint {self.step_path(step)} does not fit the current config: {what}"
+
+
+@jax.jit
+def _all_finite(params) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)
+                              if jnp.issubdtype(x.dtype, jnp.inexact)]))
+
+
+def _require_finite(params) -> None:
+    """ValueError (so the step counts as damaged) if a restored parameter is NaN or infinite: jaxgpt
+    never saves a diverged state, so such a step was damaged on disk (OCDBT stores no checksums)."""
+    if not bool(_all_finite(params)):
+        raise ValueError("its parameters hold NaN or infinite values")
 
 
 def _describe(e: Exception, step_dir: Path) -> str:
@@ -362,12 +377,12 @@ def _held_stderr():
 
 
 class _DroppedReadTasks(logging.Filter):
-    """asyncio logs "Task exception was never retrieved" when it garbage-collects a task of a failed
+    """asyncio logs "Task (or Future) exception was never retrieved" when it garbage-collects a task of a failed
     read, at an unpredictable later moment (outside the attempt's hold on fd 2): drop those whose
     exception is TensorStore's (its messages carry the `tensorstore_spec`), nothing else."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith("Task exception was never retrieved"):
+        if not str(record.msg).startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
             return True
         exc = record.exc_info[1] if record.exc_info else None
         return not (exc is not None and "tensorstore_spec" in str(exc))

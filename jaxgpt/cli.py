@@ -57,6 +57,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
         _say_interrupted()
         return EXIT_INTERRUPTED
     except RuntimeError as e:
+        if str(e).startswith("Unable to initialize backend"):  # JAX_PLATFORMS names a platform not here
+            print(f"error: {str(e).strip().splitlines()[0][:300]} (check JAX_PLATFORMS)", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
         if (line := out_of_memory(e)) is None and (line := disk_full(e)) is None:
             raise
         print(f"error: a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}" if out_of_memory(e) else

@@ -111,6 +111,15 @@ def _require_access(path: Path, message: str) -> None:
                         f"immutable file or another user's); fix its permissions or choose another path")
 
 
+def write_text_atomically(path: Path, text: str) -> None:
+    """`path` holds `text` whole or keeps its old content (a kill mid-write leaves a dot-file beside
+    it); a symlink there is replaced, never written through to a file outside the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def writable_file(path: Path, what: str) -> Path:
     """`path` if a file can be written there: its directory exists and it is not itself a directory."""
     path = Path(path)

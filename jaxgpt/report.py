@@ -320,7 +320,7 @@ def write_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     metrics, events, cfg = _load(run_dir)
     path = run_dir / "report.md"
-    path.write_text(render(run_dir, metrics, events, cfg))
+    files.write_text_atomically(path, render(run_dir, metrics, events, cfg))
     plot_loss(metrics, run_dir / "loss.png", run_dir.resolve().name)
     batch, seq = _get(cfg, "train", "batch_size"), _get(cfg, "model", "seq_len")
     plot_tasks(metrics, batch * seq if batch and seq else None, run_dir / "tasks.png", run_dir.resolve().name)

@@ -52,7 +52,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import allocator, data, hf
+from jaxgpt import allocator, data, files, hf
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
@@ -197,7 +197,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                 batches.set_state(data_state)
             if pid == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
                 integrity.remember(verified)  # the shard verdicts, for the next session
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import REPO, TINY, read_metrics, restore_run, run_cli, tiny_config, train_losses
@@ -338,3 +339,14 @@ def test_never_retrieved_tensorstore_read_tasks_are_not_logged(caplog):
         gc.collect()
     logged = [r for r in caplog.records if r.name == "asyncio"]
     assert len(logged) == 1 and "another error" in str(logged[0].exc_info[1])
+
+
+def test_non_finite_restored_parameters_count_as_damage():
+    """OCDBT stores no checksums, and jaxgpt never saves a diverged state: a restored NaN or inf
+    parameter means the step was damaged on disk (then skipped like any unreadable step)."""
+    from jaxgpt.checkpoint import _require_finite
+    params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "n": jnp.arange(3)}
+    _require_finite(params)
+    for bad in (jnp.nan, jnp.inf):
+        with pytest.raises(ValueError, match="parameters hold NaN or infinite values"):
+            _require_finite(params | {"b": params["b"].at[2].set(bad)})

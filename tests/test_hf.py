@@ -177,6 +177,12 @@ def test_mismatches_are_user_errors_naming_them(model, tmp_path):
     (tmp_path / CONFIG).write_text(json.dumps(hf_config(cfg.model)))
     with pytest.raises(UserError, match=r"n_layer 2 vs model.n_layer=12.*override with model.n_layer=2"):
         load_dir(tmp_path, dataclasses.replace(cfg.model, n_layer=12))
+    bad = dict(tensors)
+    bad["transformer.h.1.mlp.c_fc.weight"] = bad["transformer.h.1.mlp.c_fc.weight"].copy()
+    bad["transformer.h.1.mlp.c_fc.weight"].flat[7] = np.nan  # a diverged or damaged model: refused on reading
+    save_file(bad, tmp_path / WEIGHTS)
+    with pytest.raises(UserError, match=r"tensor transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"):
+        load_dir(tmp_path, cfg.model)
 
 
 def test_cli_missing_dir_is_one_line(tmp_path):

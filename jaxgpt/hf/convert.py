@@ -94,6 +94,9 @@ def read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Forma
             tensors |= load_file(hf_dir / name)
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{hf_dir / name} cannot be read as safetensors ({e})") from None
+    for key, x in tensors.items():  # a damaged or diverged model: refused here, not as a NaN loss later
+        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+            raise UserError(f"{hf_dir}: tensor {key} holds NaN or infinite values")
     return hf_cfg, tensors, fmt
 
 
@@ -216,6 +219,6 @@ def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
             ckpt.wait()
         finally:
             ckpt.close()
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return cfg, list(implied)
 
