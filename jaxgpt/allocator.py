@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 ENV = "JAXGPT_ALLOCATOR"
+CHOICES = ("tcmalloc", "glibc-thp", "system")
 TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
                  "/usr/local/lib")
@@ -55,6 +56,10 @@ def _glibc_has_thp_tunable() -> bool:
 
 def reexec() -> None:
     """Re-executes this command once with a faster allocator (module docstring); returns if it does not."""
+    if os.environ.get(ENV) and os.environ[ENV] not in CHOICES:
+        print(f"warning: {ENV}={os.environ[ENV]!r} is not one of {', '.join(CHOICES)}; taken as system (the "
+              f"allocator this process started with)", file=sys.stderr, flush=True)
+        os.environ[ENV] = "system"
     if not sys.platform.startswith("linux") or os.environ.get(ENV) or not getattr(sys, "orig_argv", None):
         return
     env = dict(os.environ)

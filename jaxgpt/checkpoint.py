@@ -99,6 +99,7 @@ SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd"
               "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every", "optimizer.name")
 # MoE keys that change the routing of the same parameters: a resume may change them, and says so.
 ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor")
+DATA_KEYS = ("data.path", "data.mix", "train.batch_size", "model.seq_len", "train.seed")  # what the data position means
 
 
 class Restored(NamedTuple):
@@ -211,12 +212,19 @@ class Checkpointer:
         return restored
 
     def warn_routing_changes(self, step: int, config: Config) -> None:
-        """One warning line if this run routes its MoE tokens otherwise than checkpoint `step` did."""
-        stored = self.stored_config(step) if config.model.moe_experts else None
-        changed = _changed(stored, config.to_dict(), ROUTING_KEYS) if stored else []
+        """One warning line if this run routes its MoE tokens otherwise than checkpoint `step` did,
+        and one if it reads other data (path, mix, batch, context or shuffle seed) than the run
+        that saved it: allowed (a data switch mid-run is legitimate), but the saved data position
+        then counts records of a different stream, so the run no longer continues the same one."""
+        stored = self.stored_config(step)
+        changed = _changed(stored, config.to_dict(), ROUTING_KEYS) if stored and config.model.moe_experts else []
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
+        changed = _changed(stored, config.to_dict(), DATA_KEYS) if stored else []
+        if changed:
+            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the data iterator "
+                  f"resumes at its saved position in the new data, not the same stream")
 
     def _remove_unfinished(self, paths: list[Path]) -> None:
         """Deletes half-written saves (Orbax's temporary directories, never a checkpoint), one

@@ -350,3 +350,14 @@ def test_non_finite_restored_parameters_count_as_damage():
     for bad in (jnp.nan, jnp.inf):
         with pytest.raises(ValueError, match="parameters hold NaN or infinite values"):
             _require_finite(params | {"b": params["b"].at[2].set(bad)})
+
+
+def test_resuming_on_other_data_says_so(three_checkpoints):
+    """A resume that reads other data (here another shuffle seed and batch size) is allowed, with
+    one warning line naming the changes: the saved data position then counts another stream."""
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "checkpoint.every=2",
+                   "train.seed=7", "train.batch_size=32", "--mesh", "dp=8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 1 and "train.batch_size 16 -> 32, train.seed 0 -> 7" in warnings[0], proc.stderr[-3000:]
+    assert "not the same stream" in warnings[0]

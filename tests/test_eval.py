@@ -82,6 +82,9 @@ def test_hellaswag_and_generic_requests_follow_lm_eval_harness(tmp_path):
     assert encode_pair("", " To be") == ([EOT_ID], enc.encode(" To be"))
     task = load_task("t", _jsonl(tmp_path / "mc.jsonl", GENERIC), seq_len=8)
     assert task.labels.tolist() == [0, 0, 1, 3] and task.chars[0] == [7, 8, 6]
+    bom = tmp_path / "bom.jsonl"  # a Windows editor's byte-order mark before the first line
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "mc.jsonl").read_bytes())
+    assert read_examples(bom) == read_examples(tmp_path / "mc.jsonl")
     full = encode_pair(GENERIC[3]["context"], " Nay, but speak not maliciously.")
     assert task.tokens[3][3].tolist() == (full[0] + full[1])[-9:]  # cut on the left to T+1 tokens
     assert task.continuation[3][3] == len(full[1]) == 8

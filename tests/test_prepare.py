@@ -307,6 +307,7 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
         unreadable.write_bytes(b"not gzip at all")
     checks.append(((unreadable,), f"Cannot read {unreadable}"))
     checks.append(((tmp_path / "missing*.jsonl",), "matches no files"))
+    checks.append((("/dev/zero",), "Input /dev/zero is not a regular file or a directory"))  # never ends
     for mb in ("nan", "inf", "0", "-1"):
         checks.append(((nofield, "--batch-mb", mb), "--batch-mb must be in (0, 1e6)"))
     for args, fragment in checks:

@@ -69,6 +69,8 @@ def find_inputs(inputs: Sequence[str | Path], exclude: Path | None = None) -> li
                 raise UserError(f"Input directory {path} holds no files"
                                 + (f" besides the output directory {exclude}." if every else "."))
         elif path.exists():
+            if not path.is_file():  # /dev/zero, a FIFO: endless or blocking, never a corpus
+                raise UserError(f"Input {path} is not a regular file or a directory.")
             found = [path]
         elif glob.has_magic(item):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(item), recursive=True)

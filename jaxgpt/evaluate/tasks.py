@@ -108,7 +108,7 @@ def _strings(value: list, key: str, where: str) -> list[str]:
 
 def read_examples(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]:
     """(context, choices, label) of each example in a task file (the first `limit`; 0 = all)."""
-    text = files.read_text(path, "task file")
+    text = files.read_text(path, "task file").removeprefix("\ufeff")  # a BOM (Windows editors), as prepare drops it
     examples, fmt = [], None
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():

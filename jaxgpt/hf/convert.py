@@ -18,6 +18,7 @@ which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -118,6 +119,12 @@ def check_dir(hf_dir: Path) -> tuple[str, int, dict[str, Any]]:
     return fmt.name, sum(x.size for x in fmt.to_hf(fmt.from_hf(tensors, m), m).values()), overrides
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _one_device_mesh():
     return make_mesh({}, jax.devices()[:1])  # every axis 1
 
@@ -172,6 +179,7 @@ def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files without a "format" entry in their metadata.
     save_file(fmt.to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
+    os.chmod(out_dir / WEIGHTS, 0o666 & ~_umask())  # safetensors writes 0600; the export's other files follow the umask
     (out_dir / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
     tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
