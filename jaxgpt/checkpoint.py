@@ -32,7 +32,8 @@ differ from the current config is an error that names the config keys that chang
 (`model.n_embd 32 -> 64`, `model.moe_experts 8 -> 4`, read from the checkpoint's config item), or
 lists the arrays that differ where no key explains them: that is a wrong command, not damage.
 Other MoE routing (`moe_top_k`, `moe_capacity_factor`) fits the same arrays and is legitimate,
-so a resume accepts it with one warning line naming the change (`warn_routing_changes`).
+so a resume accepts it with one warning line naming the change (`warn_config_changes`), as it does
+other data once the saved run had read some (the saved position then counts another stream).
 
 Damaged steps are set aside, not left in the way. When a training run resumes from step S and
 skipped newer damaged steps, each is moved to `checkpoints/damaged/STEP-<UTC time>` (said in its
@@ -115,6 +116,13 @@ def _warn(message: str) -> None:
 
 
 _ABSENT = object()  # a key one of two configs lacks
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return bool(a) and bool(b) and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
@@ -211,17 +219,29 @@ class Checkpointer:
                 _warn(f"skipping checkpoint {path}: {reason}")
         return restored
 
-    def warn_routing_changes(self, step: int, config: Config) -> None:
+    def warn_config_changes(self, step: int, config: Config, data_state: dict) -> None:
         """One warning line if this run routes its MoE tokens otherwise than checkpoint `step` did,
         and one if it reads other data (path, mix, batch, context or shuffle seed) than the run
-        that saved it: allowed (a data switch mid-run is legitimate), but the saved data position
-        then counts records of a different stream, so the run no longer continues the same one."""
+        that saved it, once that run had read any: allowed (a data switch mid-run is legitimate),
+        but the saved data position then counts records of a different stream. A data.path that
+        names the same directory otherwise (relative, absolute) is no change, nor is data.path
+        where both runs read a data.mix (the mix replaces it)."""
         stored = self.stored_config(step)
-        changed = _changed(stored, config.to_dict(), ROUTING_KEYS) if stored and config.model.moe_experts else []
+        if not stored:
+            return
+        now = config.to_dict()
+        changed = _changed(stored, now, ROUTING_KEYS) if config.model.moe_experts else []
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
-        changed = _changed(stored, config.to_dict(), DATA_KEYS) if stored else []
+        if not data_state.get("next_index"):  # nothing read yet (a fresh or imported run): no stream to continue
+            return
+        was_data, now_data = stored.get("data", {}), now["data"]
+        same_path = was_data.get("path") == now_data["path"] or (
+            isinstance(was_data.get("path"), str) and _same_dir(was_data["path"], now_data["path"]))
+        keys = tuple(k for k in DATA_KEYS if k != "data.path" or not (same_path or (was_data.get("mix") and
+                                                                                  now_data["mix"])))
+        changed = _changed(stored, now, keys)
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the data iterator "
                   f"resumes at its saved position in the new data, not the same stream")
@@ -241,12 +261,12 @@ class Checkpointer:
         """Moves damaged steps and unfinished saves to damaged/NAME-<UTC time>, one warning line
         each (process 0 moves; the others wait for it, whatever their own list holds)."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        damaged = self.directory / DAMAGED_DIR
+        if paths and damaged.exists() and not damaged.is_dir():  # every process says it, none waits
+            raise UserError(f"{damaged} is a file, where damaged checkpoints are moved; move it away")
         for path, reason in paths:
             target = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}"
             if jax.process_index() == 0:
-                if (self.directory / DAMAGED_DIR).exists() and not (self.directory / DAMAGED_DIR).is_dir():
-                    raise UserError(f"{self.directory / DAMAGED_DIR} is a file, where damaged checkpoints are "
-                                    f"moved; move it away")
                 n = 1
                 while target.exists():  # two set-asides of one step within a second
                     target, n = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}-{n}", n + 1

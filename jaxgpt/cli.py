@@ -57,7 +57,7 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
         _say_interrupted()
         return EXIT_INTERRUPTED
     except RuntimeError as e:
-        if str(e).startswith("Unable to initialize backend"):  # JAX_PLATFORMS names a platform not here
+        if str(e).startswith("Unable to initialize backend") and "not in the list of known backends" in str(e):
             print(f"error: {str(e).strip().splitlines()[0][:300]} (check JAX_PLATFORMS)", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         if (line := out_of_memory(e)) is None and (line := disk_full(e)) is None:
@@ -70,7 +70,7 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
             print(f"error: {line}", file=sys.stderr, flush=True)
             return EXIT_FAILED
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
-            print(f"error: cannot write {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
+            print(f"error: cannot access {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
                   f"another user's); fix its permissions or choose another path", file=sys.stderr, flush=True)
             return EXIT_USER_ERROR
         raise

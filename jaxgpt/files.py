@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -71,14 +72,15 @@ def require_dir(path: Path, what: str) -> Path:
     return path
 
 
-def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterable[str] = ()) -> Path:
+def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterable[str] = (),
+                 access: bool = True) -> Path:
     """Checks that `path` can be (or already is) a directory holding the named files and subdirs.
 
     Nothing is created. Fails when `path` or one of its parents exists as a non-directory, when
     a named entry exists as the wrong kind (a file called `checkpoints`, a directory called
     `metrics.jsonl`), or when `path` (else the nearest parent that exists) or an existing named entry
     cannot be written by this process (access(2): a read-only mount, an immutable file, another
-    user's): found before any work, not at the first save.
+    user's): found before any work, not at the first save. access=False skips the last check.
     """
     path = Path(path)
     if path.exists() and not path.is_dir():
@@ -87,19 +89,20 @@ def writable_dir(path: Path, what: str, files: Iterable[str] = (), dirs: Iterabl
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{what} {path} cannot be a directory: its parent {parent} is {kind(parent)}")
     nearest = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
-    _require_access(nearest, f"{what} {path} cannot be written: {nearest}" if nearest != path.absolute()
+    require = _require_access if access else (lambda *_: None)
+    require(nearest, f"{what} {path} cannot be written: {nearest}" if nearest != path.absolute()
                     else f"{what} {path} cannot be written")
     for name in files:
         entry = path / name
         if entry.exists() and not entry.is_file():
             raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt writes a file there; move it away")
-        _require_access(entry, f"{entry} in {what} {path} cannot be written")
+        require(entry, f"{entry} in {what} {path} cannot be written")
     for name in dirs:
         entry = path / name
         if entry.exists() and not entry.is_dir():
             raise UserError(f"{entry} in {what} {path} is {kind(entry)}, but jaxgpt keeps a directory there; "
                             f"move it away")
-        _require_access(entry, f"{entry} in {what} {path} cannot be written")
+        require(entry, f"{entry} in {what} {path} cannot be written")
     return path
 
 
@@ -111,13 +114,29 @@ def _require_access(path: Path, message: str) -> None:
                         f"immutable file or another user's); fix its permissions or choose another path")
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (os.umask would, for every thread at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0o022
+
+
 def write_text_atomically(path: Path, text: str) -> None:
     """`path` holds `text` whole or keeps its old content (a kill mid-write leaves a dot-file beside
-    it); a symlink there is replaced, never written through to a file outside the directory."""
+    it); a symlink there is replaced, never written through to a file outside the directory. The
+    temporary file has a fresh name (two writers never share one) and the umask's mode."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def writable_file(path: Path, what: str) -> Path:

@@ -58,7 +58,7 @@ METRIC_FIELDS = {key: (*files.NUMBER, type(None)) for key in
 
 def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
     files.require_dir(run_dir, "run dir")
-    check_run_dir(run_dir)
+    check_run_dir(run_dir, writing=False)  # wrong kinds only: report writes report.md and the plots alone
     path = run_dir / "metrics.jsonl"
     metrics = (files.read_jsonl(path, "metrics file", required={"step": int}, optional=METRIC_FIELDS)
                if path.exists() else [])

@@ -88,9 +88,10 @@ def require_wandb(cfg: LoggingConfig):
     return wandb
 
 
-def check_run_dir(run_dir: Path) -> Path:
-    """`run_dir` if jaxgpt can write its files there (before anything is compiled or written)."""
-    return files.writable_dir(run_dir, "run dir", files=RUN_DIR_FILES, dirs=RUN_DIR_DIRS)
+def check_run_dir(run_dir: Path, writing: bool = True) -> Path:
+    """`run_dir` if jaxgpt can write its files there (before anything is compiled or written); with
+    writing=False only that nothing there is the wrong kind (a reader's check)."""
+    return files.writable_dir(run_dir, "run dir", files=RUN_DIR_FILES, dirs=RUN_DIR_DIRS, access=writing)
 
 
 def flat_config(cfg: Config) -> dict[str, Any]:

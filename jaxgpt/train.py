@@ -96,7 +96,7 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer,
     restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
     if restored is not None:
         _say(f"resuming from step {restored.step} ({restored.path})")
-        ckpt.warn_routing_changes(restored.step, cfg)  # moe_top_k, capacity: legitimate, but said
+        ckpt.warn_config_changes(restored.step, cfg, restored.data_state)  # MoE routing, other data: said
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)

@@ -123,7 +123,11 @@ def test_a_full_disk_or_an_unwritable_path_is_one_line(capsys, tmp_path, monkeyp
         err = capsys.readouterr().err
         assert err.startswith("error: the disk is full") and err.count("\n") == 1, err
     assert run_main(raising(PermissionError(errno.EPERM, "Operation not permitted", "/run/config.yaml"))) == 2
-    assert capsys.readouterr().err.startswith("error: cannot write /run/config.yaml: Operation not permitted")
+    assert capsys.readouterr().err.startswith("error: cannot access /run/config.yaml: Operation not permitted")
+    unknown = RuntimeError("Unable to initialize backend 'bogus': Backend 'bogus' is not in the list of known backends")
+    assert run_main(raising(unknown)) == 2 and "check JAX_PLATFORMS" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="DEADLINE_EXCEEDED"):  # a GPU or coordinator failing to start: exit 1
+        run_main(raising(RuntimeError("Unable to initialize backend 'cuda': DEADLINE_EXCEEDED: barrier timed out")))
     with pytest.raises(FileNotFoundError):
         run_main(raising(FileNotFoundError(errno.ENOENT, "No such file or directory", "/x")))
 

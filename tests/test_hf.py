@@ -183,6 +183,10 @@ def test_mismatches_are_user_errors_naming_them(model, tmp_path):
     save_file(bad, tmp_path / WEIGHTS)
     with pytest.raises(UserError, match=r"tensor transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"):
         load_dir(tmp_path, cfg.model)
+    import ml_dtypes  # bf16, as most Llama checkpoints hold it (numpy kind 'V', not a floating type)
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in bad.items()}, tmp_path / WEIGHTS)
+    with pytest.raises(UserError, match=r"tensor transformer.h.1.mlp.c_fc.weight holds NaN or infinite values"):
+        load_dir(tmp_path, cfg.model)
 
 
 def test_cli_missing_dir_is_one_line(tmp_path):

@@ -96,7 +96,7 @@ def read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Forma
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             raise UserError(f"{hf_dir / name} cannot be read as safetensors ({e})") from None
     for key, x in tensors.items():  # a damaged or diverged model: refused here, not as a NaN loss later
-        if np.issubdtype(x.dtype, np.floating) and not np.isfinite(x).all():
+        if x.dtype.kind not in "biu" and not np.isfinite(x.astype(np.float32)).all():  # bf16 is kind 'V' here
             raise UserError(f"{hf_dir}: tensor {key} holds NaN or infinite values")
     return hf_cfg, tensors, fmt
 
@@ -117,12 +117,6 @@ def check_dir(hf_dir: Path) -> tuple[str, int, dict[str, Any]]:
     m = ModelConfig(**{k.removeprefix("model."): v for k, v in overrides.items()})
     fmt.check_config(hf_cfg, m, Path(hf_dir) / CONFIG)
     return fmt.name, sum(x.size for x in fmt.to_hf(fmt.from_hf(tensors, m), m).values()), overrides
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _one_device_mesh():
@@ -179,7 +173,7 @@ def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     # transformers refuses safetensors files without a "format" entry in their metadata.
     save_file(fmt.to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
-    os.chmod(out_dir / WEIGHTS, 0o666 & ~_umask())  # safetensors writes 0600; the export's other files follow the umask
+    os.chmod(out_dir / WEIGHTS, 0o666 & ~files.umask())  # safetensors writes 0600; the other files follow the umask
     (out_dir / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
     (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
     tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
