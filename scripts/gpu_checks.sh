@@ -4,6 +4,12 @@
 #   pip install -e ".[cuda12,test]"            # once (or cuda13)
 #   bash scripts/gpu_checks.sh [OUT] [GROUP ...]
 #
+# On a machine with its own JAX and no package index (the H200 of 2026-11-26, docs/benchmarks.md):
+# carry wheels of what it lacks (grain, array_record, portpicker, tensorboardX, zstandard, and the
+# flax/optax/orbax-checkpoint versions that match its jax), pip install --target DIR --no-deps,
+# then PYTHON=python3 PYTHONPATH=DIR:. bash scripts/gpu_checks.sh OUT GROUPS. Each group's steps
+# are bounded by STEP_TIMEOUT; a lease of 15 minutes fits bench124, bench13 and parity (~5 min).
+#
 # GROUPs (default: all, in this order; each fits a 10-minute slot on one H200):
 #   parity   cuDNN flash attention vs the reference, forward and gradients (tests/test_kernels.py
 #            with JAXGPT_TEST_GPU=1, so the cuDNN case runs instead of being skipped)
