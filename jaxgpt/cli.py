@@ -56,25 +56,31 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED
-    except RuntimeError as e:
-        if str(e).startswith("Unable to initialize backend") and "not in the list of known backends" in str(e):
-            print(f"error: {str(e).strip().splitlines()[0][:300]} (check JAX_PLATFORMS)", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
-        if (line := out_of_memory(e)) is None and (line := disk_full(e)) is None:
+    except (RuntimeError, OSError, ValueError) as e:  # TensorStore reports a full disk as a ValueError
+        if (said := environment_failure(e)) is None:
             raise
-        print(f"error: a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}" if out_of_memory(e) else
-              f"error: {line}", file=sys.stderr, flush=True)
-        return EXIT_FAILED
-    except (OSError, ValueError) as e:  # TensorStore reports a full disk as a ValueError
-        if (line := disk_full(e)) is not None:
-            print(f"error: {line}", file=sys.stderr, flush=True)
-            return EXIT_FAILED
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
-            print(f"error: cannot access {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
-                  f"another user's); fix its permissions or choose another path", file=sys.stderr, flush=True)
-            return EXIT_USER_ERROR
-        raise
+        code, line = said
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        return code
     return EXIT_OK
+
+
+def environment_failure(e: BaseException) -> tuple[int, str] | None:
+    """(exit code, one line) for what the machine rather than the code got wrong: an unknown
+    JAX_PLATFORMS backend, XLA's out-of-memory, a full disk, a path this process may not access;
+    None for anything else, which keeps its traceback."""
+    first = str(e).strip().split("\n", 1)[0]
+    if isinstance(e, RuntimeError) and first.startswith("Unable to initialize backend") and \
+            "not in the list of known backends" in first:
+        return EXIT_USER_ERROR, f"{first[:300]} (check JAX_PLATFORMS)"
+    if (line := out_of_memory(e)) is not None:
+        return EXIT_FAILED, f"a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}"
+    if (line := disk_full(e)) is not None:
+        return EXIT_FAILED, line
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
+        return EXIT_USER_ERROR, (f"cannot access {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
+                                 f"another user's); fix its permissions or choose another path")
+    return None
 
 
 def disk_full(e: BaseException) -> str | None:
