@@ -133,6 +133,15 @@ def memory_per_device(devices: Sequence) -> int | None:
     return None if available is None else available // local
 
 
+def resolve_remat(cfg: Config, devices: Sequence) -> tuple[Config, str, int | None]:
+    """(cfg with a concrete model.remat, why, the memory per device it was fitted to) for a run on
+    `devices`, as training resolves model.remat=auto (jaxgpt/model/remat.py, `memory_per_device`)."""
+    from jaxgpt.model import remat
+    memory = memory_per_device(devices)
+    cfg, why, _ = remat.resolve(cfg, memory, lambda c: plan(c, devices, memory))
+    return cfg, why, memory
+
+
 def host_memory_available() -> int | None:
     """Bytes this process can still allocate on the host: /proc/meminfo's MemAvailable, capped by
     the cgroup's (a container's) memory.max less its memory.current; None where Linux does not say."""

@@ -63,11 +63,11 @@ from jaxgpt.evaluate.tasks import Task, load_tasks
 from jaxgpt.files import read_jsonl
 from jaxgpt.lock import DirLock
 from jaxgpt.metrics import Throughput, mfu, peak_flops
-from jaxgpt.model import compute_dtype, param_count, remat
+from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import abstract_inputs, check_memory, local_device, memory_per_device, plan
+from jaxgpt.plan import abstract_inputs, check_memory, local_device, resolve_remat
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
@@ -158,8 +158,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, cache=verified)
     validate(cfg, len(devices), data_vocab)
     tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
-    memory = memory_per_device(devices)  # a GPU's allocator limit; a CPU's share of the host's memory
-    cfg, remat_why, _ = remat.resolve(cfg, memory, lambda c: plan(c, devices, memory))  # model.remat=auto
+    cfg, remat_why, memory = resolve_remat(cfg, devices)  # model.remat=auto: a GPU's limit, a CPU's share of the host
     t, m = cfg.train, cfg.model
     pid = jax.process_index()
     mesh = make_mesh(sizes, devices)

@@ -61,7 +61,6 @@ from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import gemm_counts
 from jaxgpt.metrics import mfu, peak_flops
-from jaxgpt.model import remat
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
@@ -86,8 +85,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     """One config's figures (module docstring); with `variants`, a list: each of them timed in
     turn, step by step (--alternate), without the input pipeline."""
     devices = distributed.ordered_devices()
-    memory = plan.memory_per_device(devices)  # model.remat=auto, as in training
-    cfg = remat.resolve(cfg, memory, lambda c: plan.plan(c, devices, memory))[0]
+    cfg = plan.resolve_remat(cfg, devices)[0]  # model.remat=auto, as in training
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     tokens = data.load_split(data_dir, "train")

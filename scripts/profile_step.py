@@ -47,7 +47,6 @@ from jaxgpt.config import help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.gpu import cost, perf
 from jaxgpt.metrics import flops_per_token
-from jaxgpt.model import remat
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
@@ -91,8 +90,7 @@ def _target(device_kind: str) -> str | None:
 def profile(cfg, steps: int, warmup: int, out: Path) -> tuple[dict, str, float]:
     """Traces `steps` steps into `out`; returns (kernel times, compiled HLO, wall seconds per step)."""
     devices = distributed.ordered_devices()
-    memory = plan.memory_per_device(devices)  # model.remat=auto, as in training
-    cfg = remat.resolve(cfg, memory, lambda c: plan.plan(c, devices, memory))[0]
+    cfg = plan.resolve_remat(cfg, devices)[0]  # model.remat=auto, as in training
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
     t, m = cfg.train, cfg.model
