@@ -239,9 +239,8 @@ class Checkpointer:
         was_data, now_data = stored.get("data", {}), now["data"]
         same_path = was_data.get("path") == now_data["path"] or (
             isinstance(was_data.get("path"), str) and _same_dir(was_data["path"], now_data["path"]))
-        keys = tuple(k for k in DATA_KEYS if k != "data.path" or not (same_path or (was_data.get("mix") and
-                                                                                  now_data["mix"])))
-        changed = _changed(stored, now, keys)
+        path_moot = same_path or bool(was_data.get("mix") and now_data["mix"])  # a mix replaces data.path
+        changed = _changed(stored, now, tuple(k for k in DATA_KEYS if not (k == "data.path" and path_moot)))
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the data iterator "
                   f"resumes at its saved position in the new data, not the same stream")

@@ -44,10 +44,7 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--limit must be >= 0, got {args.limit}")
     if args.batch_size < 1:
         raise UserError(f"--batch-size must be > 0, got {args.batch_size}")
-    specs = [pair for spec in args.task for pair in parse_spec(spec, "--task")]
-    names = [name for name, _ in specs]
-    if twice := next((n for i, n in enumerate(names) if n in names[:i]), None):
-        raise UserError(f"--task: task name '{twice}' is given twice; name each task (NAME=PATH)")
+    specs = parse_spec(",".join(args.task), "--task")  # every --task at once: a name given twice is one error
     tasks = []
 
     def read_tasks(cfg: Config) -> None:  # before any parameter is read

@@ -346,9 +346,11 @@ class _Run:
         docs = sum(self.documents.values())
         for split in ("train", "val"):
             if not self.writers[split].total:
-                hint = ("add documents or raise --val-fraction" if split == "val" and docs > 1 else
-                        "each split needs documents of its own: add documents, or split text files into "
-                        "documents with --separator" if docs <= 1 else "add text")
+                if docs <= 1:
+                    hint = ("each split needs documents of its own: add documents, or split text files into "
+                            "documents with --separator")
+                else:
+                    hint = "add documents or raise --val-fraction" if split == "val" else "add text"
                 kept = not self.fresh  # else prepare_corpus removes out_dir
                 end = f"; remove {self.out_dir} and prepare again." if kept else "."
                 if self.tail:
