@@ -264,11 +264,11 @@ class Checkpointer:
         if paths and damaged.exists() and not damaged.is_dir():  # every process says it, none waits
             raise UserError(f"{damaged} is a file, where damaged checkpoints are moved; move it away")
         for path, reason in paths:
-            target = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}"
+            target = damaged / f"{path.name}-{stamp}"
             if jax.process_index() == 0:
                 n = 1
                 while target.exists():  # two set-asides of one step within a second
-                    target, n = self.directory / DAMAGED_DIR / f"{path.name}-{stamp}-{n}", n + 1
+                    target, n = damaged / f"{path.name}-{stamp}-{n}", n + 1
                 target.parent.mkdir(exist_ok=True)
                 path.rename(target)
             _warn(f"skipping checkpoint {path}: {reason}; moved it to {target}")
