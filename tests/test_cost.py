@@ -7,7 +7,7 @@ from jaxgpt.gpu.perf import Perf
 
 # Round numbers: 1 TFLOP/s at full efficiency, 1 GB/s, 1 us per launch, 132 SMs, 128x256x64 work units.
 P = Perf(name="test", peak_flops=1e12, hbm_bytes_per_s=1e9, sms=132, gemm_efficiency=1.0, gemm_tile=(128, 256, 64),
-         attention_forward_efficiency=0.5, attention_backward_efficiency=0.25, hbm_efficiency=1.0,
+         attention_forward_efficiency=((64, 0.5),), attention_backward_efficiency=((64, 0.25),), hbm_efficiency=1.0,
          launch_seconds=1e-6, link_bytes_per_s=1e9)
 
 GEMM = """HloModule m
@@ -177,3 +177,17 @@ def test_all_reduce_costs_ring_wire_bytes_over_the_link():
 def test_format_names_every_group_that_ran():
     out = cost.format_estimate(cost.estimate(ELEMENTWISE + GEMM.split("ENTRY")[0], P, tokens_per_step=10))
     assert "predicted step time" in out and cost.ELEMENTWISE in out and "100.0%" in out
+
+
+def test_attention_efficiency_is_linear_in_head_dim_between_the_measured_points():
+    from jaxgpt.gpu.perf import attention_efficiency, perf
+
+    points = ((64, 0.2), (128, 0.3))
+    assert attention_efficiency(points, 32) == 0.2  # the nearer end outside the points
+    assert attention_efficiency(points, 64) == 0.2
+    assert attention_efficiency(points, 96) == pytest.approx(0.25)
+    assert attention_efficiency(points, 256) == 0.3
+    h100 = perf("h100")  # D=128 runs cuDNN closer to peak than D=64, backward below forward
+    for points in (h100.attention_forward_efficiency, h100.attention_backward_efficiency):
+        assert attention_efficiency(points, 64) < attention_efficiency(points, 128) <= 0.5
+    assert attention_efficiency(h100.attention_backward_efficiency, 64) < attention_efficiency(h100.attention_forward_efficiency, 64)

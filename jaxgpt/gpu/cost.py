@@ -24,7 +24,8 @@ What a kernel is, and what it costs
   compile has no autotuning, so its Triton tile choices are ignored: the model costs what an
   autotuned kernel (cuBLAS, as measured) does, from the shapes alone.
 - cuDNN fused attention (`__cudnn$fmha*`): FLOPs = 4 x B x H x Tq x Tk x D forward (QK^T and PV),
-  halved for a causal mask, 2.5x that backward (dQ, dK, dV and the recomputed scores).
+  halved for a causal mask, 2.5x that backward (dQ, dK, dV and the recomputed scores), at an
+  efficiency that depends on the head dimension D (perf.attention_efficiency).
 - Any other fusion, copy or unfused op: bytes only. A fusion reads each operand whole, except one
   it only slices (a scan reading layer l of stacked weights reads that slice) or updates in place
   (dynamic-update-slice into a scan's stacked outputs writes only the update).
@@ -53,7 +54,7 @@ import re
 from typing import Any, NamedTuple
 
 from jaxgpt import hlo
-from jaxgpt.gpu.perf import Perf
+from jaxgpt.gpu.perf import Perf, attention_efficiency
 
 GROUPS = ("GEMMs", "attention", "norms/elementwise", "loss (head softmax, cross-entropy)", "grad accumulation",
           "optimizer update", "data movement (copy, cast, transpose, zero-init)", "collectives", "other")
@@ -291,7 +292,8 @@ class _Walker:
                 constraints = i.line.split("operand_layout_constraints={", 1)
                 q_kv = re.findall(r"[a-z0-9]+\[[^\]]*\]", constraints[1]) if len(constraints) > 1 else operand_types
                 flops = attention_flops(i.line, q_kv)
-                eff = p.attention_backward_efficiency if "Backward" in target else p.attention_forward_efficiency
+                points = p.attention_backward_efficiency if "Backward" in target else p.attention_forward_efficiency
+                eff = attention_efficiency(points, _dims(q_kv[0])[-1] if q_kv else 0)
                 seconds = max(flops / (p.peak_flops * eff), nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
                 return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
             if re.search(r"gemm|matmul", target) and len(operand_types) >= 2:
