@@ -20,6 +20,11 @@ if _sys.argv[:1] == ["-m"]:
 
     _sys.excepthook = _interrupted
 
+from jaxgpt import _quiet  # noqa: E402
+
+# A JAX plugin that cannot start (a GPU host without cuDNN) says so in one line, not two tracebacks.
+_quiet.condense_plugin_errors()
+
 # The `gpu-compile` extra installs JAX's CUDA plugin on machines without a GPU (to compile for
 # H100/H200 on paper). Left alone, JAX would then try to start CUDA and print a long "Unable to
 # load CUDA" traceback before falling back to the CPU, and loading the plugin prints absl lines
@@ -31,6 +36,4 @@ if _sys.argv[:1] == ["-m"]:
 if (not _os.path.exists("/proc/driver/nvidia/version")
         and _util.find_spec("jax_plugins") is not None and _util.find_spec("jax_plugins.xla_cuda12") is not None):
     _os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from jaxgpt import _quiet
-
     _quiet.install()

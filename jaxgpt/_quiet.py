@@ -7,12 +7,17 @@ loader so that executing the `jax` package, and then registering JAX's PJRT plug
 before creating its first backend; no backend is created, so `jax.distributed.initialize` may still
 follow), run with file descriptor 2 captured; the captured text is written back less the lines in
 NOISE. A jaxgpt command that never imports JAX (`prepare` and its worker processes) pays nothing.
+
+`condense_plugin_errors()` (on every machine) turns JAX's "Jax plugin configuration error" log
+records, which carry the plugin's whole traceback (a GPU host missing cuDNN prints two chained
+tracebacks), into one line ending with the exception's own message.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import logging
 import os
 import sys
 import tempfile
@@ -84,3 +89,18 @@ class _QuietJaxFinder(importlib.abc.MetaPathFinder):
 def install() -> None:
     if "jax" not in sys.modules and not any(isinstance(f, _QuietJaxFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _QuietJaxFinder())
+
+
+class _OneLinePluginError(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and str(record.msg).startswith("Jax plugin"):
+            e = record.exc_info[1]
+            record.msg, record.args = f"{record.getMessage()}: {type(e).__name__}: {e}", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def condense_plugin_errors() -> None:
+    logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _OneLinePluginError) for f in logger.filters):
+        logger.addFilter(_OneLinePluginError())

@@ -166,6 +166,14 @@ class Checkpointer:
             "config": ocp.JsonCheckpointHandler()})
 
     def save(self, step: int, state: TrainState, data_state: dict, cfg: Config) -> None:
+        # A directory that became read-only since the run started (a filesystem remounted read-only
+        # after an error, a permission change) would otherwise fail inside Orbax's background
+        # thread and leave the run waiting minutes on the save before a traceback.
+        try:
+            files.writable_dir(self.directory, "checkpoint directory")
+        except UserError as e:
+            raise UserError(f"{e}; step {step} was not saved (then re-run the same command to resume from the "
+                            f"newest saved checkpoint)") from None
         self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_state),

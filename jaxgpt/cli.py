@@ -56,7 +56,7 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED
-    except (RuntimeError, OSError, ValueError) as e:  # TensorStore reports a full disk as a ValueError
+    except (RuntimeError, OSError, ValueError, AssertionError) as e:  # TensorStore: a full disk as a ValueError
         if (said := environment_failure(e)) is None:
             raise
         code, line = said
@@ -70,6 +70,13 @@ def environment_failure(e: BaseException) -> tuple[int, str] | None:
     JAX_PLATFORMS backend, XLA's out-of-memory, a full disk, a path this process may not access;
     None for anything else, which keeps its traceback."""
     first = str(e).strip().split("\n", 1)[0]
+    if isinstance(e, AssertionError) and _raised_in(e, os.path.join("jax", "_src", "xla_bridge.py")):
+        # JAX asserts when a backend's plugin failed to start (its error is logged above): a GPU,
+        # driver or CUDA library missing, which a restart on another machine may not meet
+        platforms = os.environ.get("JAX_PLATFORMS", "")
+        return EXIT_FAILED, (f"JAX could not start a backend{f' for JAX_PLATFORMS={platforms}' if platforms else ''} "
+                             f"(the plugin's error is above); check the GPU, its driver and CUDA libraries, "
+                             f"or set JAX_PLATFORMS=cpu")
     if isinstance(e, RuntimeError) and first.startswith("Unable to initialize backend") and \
             "not in the list of known backends" in first:
         return EXIT_USER_ERROR, f"{first[:300]} (check JAX_PLATFORMS)"
@@ -81,6 +88,14 @@ def environment_failure(e: BaseException) -> tuple[int, str] | None:
         return EXIT_USER_ERROR, (f"cannot access {e.filename}: {e.strerror} (a read-only mount, an immutable file or "
                                  f"another user's); fix its permissions or choose another path")
     return None
+
+
+def _raised_in(e: BaseException, path_end: str) -> bool:
+    """Whether the innermost frame of e's traceback is in a file whose path ends with path_end."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(path_end)
 
 
 def disk_full(e: BaseException) -> str | None:

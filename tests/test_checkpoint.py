@@ -361,3 +361,21 @@ def test_resuming_on_other_data_says_so(three_checkpoints):
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 1 and "train.batch_size 16 -> 32, train.seed 0 -> 7" in warnings[0], proc.stderr[-3000:]
     assert "not the same stream" in warnings[0]
+
+
+def test_a_checkpoint_directory_that_became_read_only_stops_the_save_with_one_line(tmp_path, monkeypatch):
+    """Checked with access(2) before each save (a stand-in answer: tests run as root): the save
+    is refused with a UserError naming the step, and the checkpoint saved before stays."""
+    from jaxgpt import files
+
+    cfg = tiny_config()
+    ckpt = Checkpointer(tmp_path / "checkpoints", cfg.checkpoint)
+    state = {"w": jnp.arange(4.0)}
+    ckpt.save(1, state, {"next_index": 0}, cfg)
+    ckpt.wait()
+    real = files.os.access
+    monkeypatch.setattr(files.os, "access", lambda p, mode: Path(p) != ckpt.directory and real(p, mode))
+    with pytest.raises(UserError, match=r"checkpoint directory .*checkpoints cannot be written.*step 2 was not saved"):
+        ckpt.save(2, state, {"next_index": 8}, cfg)
+    ckpt.close()
+    assert ckpt.manager.all_steps() == [1]

@@ -3,7 +3,9 @@ And one real end-to-end run on a 2 x 2 x 2 mesh writing metrics.jsonl."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -140,6 +142,22 @@ def test_a_full_disk_or_an_unwritable_path_is_one_line(capsys, tmp_path, monkeyp
     monkeypatch.setattr(files.os, "access", lambda p, mode: p != tmp_path and real(p, mode))
     with pytest.raises(UserError, match=r"export directory .*new cannot be written: .*: it is read-only"):
         files.writable_dir(tmp_path / "new", "export directory")
+
+
+def test_a_gpu_backend_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    """JAX_PLATFORMS=cuda on this GPU-less machine: the CUDA plugin (the gpu-compile extra) fails
+    to start and JAX asserts; without the plugin JAX names an unknown backend. Either way no
+    traceback: the plugin's own error condensed to one line, then one `error:` line."""
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    proc = run_cli("--run-dir", str(tmp_path), "train.steps=1")
+    if os.path.exists("/proc/driver/nvidia/version"):  # a GPU host: the backend starts and trains
+        assert proc.returncode == 0, proc.stderr
+        return
+    plugin = importlib.util.find_spec("jax_plugins") is not None
+    _assert_one_line_error(proc, "JAX could not start a backend for JAX_PLATFORMS=cuda" if plugin else "check JAX_PLATFORMS",
+                           code=EXIT_FAILED if plugin else EXIT_USER_ERROR)
+    assert len(proc.stderr.strip().splitlines()) <= 2, proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_empty_data_is_one_clear_line(empty_data_dir, tmp_path):
