@@ -70,7 +70,7 @@ from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import abstract_inputs, check_memory, local_device, resolve_remat
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
-from jaxgpt.tracking import Tracker, check_run_dir, require_wandb, run_info
+from jaxgpt.tracking import Tracker, check_run_dir, kernels_in_traces, require_wandb, run_info
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
@@ -323,6 +323,8 @@ class _Loop:
 
 def _main(argv: Sequence[str] | None) -> None:
     cfg, run_dir = parse_args(argv)
+    if cfg.logging.profile_range:
+        kernels_in_traces()  # before distributed.initialize starts a backend
     distributed.initialize()
     train(cfg, run_dir)
 

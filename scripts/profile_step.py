@@ -15,7 +15,7 @@ instruction that the program holds are grouped by their kernel name (cuBLAS/CUTL
 cuDNN/flash -> attention, NCCL -> collectives) or land in 'other'.
 
 On a GPU the kernels are read from the device's stream lines, with XLA:GPU's command buffers off
-(`--xla_gpu_enable_command_buffer=` added to XLA_FLAGS unless that flag is set already): XLA runs
+(jaxgpt.tracking.kernels_in_traces, as `logging.profile_steps` in training does): XLA runs
 runs of kernels as CUDA graphs, and a trace shows one `command_buffer_N` event per graph launch
 instead of the kernels inside it, so every group would read 0 and 'other' all of the step. On an
 H200 (gpt2-124m, jax 0.11.2) the step took 1,037 ms traced without them against 1,024 ms in
@@ -28,16 +28,12 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import os
 import re
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):  # before jax reads XLA_FLAGS
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
 
 import jax
 
@@ -50,6 +46,7 @@ from jaxgpt.metrics import flops_per_token
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.tracking import kernels_in_traces
 
 _BY_KERNEL_NAME = [(re.compile(r"gemm|cublas|cutlass|matmul|sm\d+_xmma", re.I), cost.GEMM),
                    (re.compile(r"cudnn|fmha|flash", re.I), cost.ATTENTION),
@@ -175,6 +172,7 @@ def _main(argv: Sequence[str] | None) -> None:
     if args.steps < 1 or args.warmup < 0 or args.top < 1:
         raise UserError("--steps and --top must be positive and --warmup not negative")
     cfg = load_config(args.config, args.overrides, args.mesh)
+    kernels_in_traces()  # before distributed.initialize starts a backend
     distributed.initialize()
     out = args.out or Path(tempfile.mkdtemp(prefix="jaxgpt-profile-"))
     result, hlo_text, wall = profile(cfg, args.steps, args.warmup, out)

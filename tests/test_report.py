@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import struct
 import sys
@@ -177,6 +178,23 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch, shakespeare_dir):
     assert run.init["project"] == "p" and run.init["id"] == "id42" and run.init["config"]["train"]["steps"] == 2
     assert {s: d["train/loss"] for s, d in run.logged.items()} == {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
     assert run.exit_code == 0 and _events(tmp_path)[0]["wandb_id"] == "id42"
+
+
+def test_profiling_turns_off_gpu_command_buffers_unless_the_user_set_them(monkeypatch, tmp_path):
+    """So that a GPU trace shows kernels, not one event per CUDA graph launch: `train` with
+    logging.profile_steps adds the flag before its backend starts (XLA:CPU accepts it and traces)."""
+    from jaxgpt.tracking import kernels_in_traces
+
+    proc = run_cli("--run-dir", str(tmp_path), *TINY, "train.steps=2", "logging.profile_steps=2:2")
+    assert proc.returncode == 0, proc.stderr
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    kernels_in_traces()
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8 --xla_gpu_enable_command_buffer="
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")
+    kernels_in_traces()
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
 
 
 def test_bad_profile_steps_is_a_user_error(tmp_path):
