@@ -402,10 +402,16 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     return "\n".join(lines)
 
 
+MAX_FAKE_DEVICES = 2048
+
+
 def _fake_devices(n: int) -> None:
     """N CPU devices: must happen before JAX creates its backends, which read this once."""
     if n < 1:
         raise UserError(f"--fake-devices must be positive, got {n}")
+    if n > MAX_FAKE_DEVICES:  # 4,096: XLA:CPU refused to compile ("Multiprocess computations ..."); 8,192 hung
+        raise UserError(f"--fake-devices is at most {MAX_FAKE_DEVICES:,} (XLA:CPU compiles for no more in one process), "
+                        f"got {n:,}; --target h100 --gpus N compiles for GPUs instead")
     import jax
     from jax._src import xla_bridge
     if xla_bridge.backends_are_initialized():

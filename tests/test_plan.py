@@ -141,6 +141,10 @@ def test_plan_command_bad_mesh_is_one_line():
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
         "error: mesh pp=1,dp=3,fsdp=1,ep=1,tp=1 has 3 devices but 8 are available"]
+    for n, says in (("0", "must be positive"), ("100000", "at most 2,048")):  # 100,000 used to hang silently
+        proc = run_cli("--fake-devices", n, *TINY, module="jaxgpt.plan", timeout=60)
+        assert proc.returncode == EXIT_USER_ERROR and proc.stderr.startswith("error: --fake-devices") and \
+            says in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_benchmark_smoke(tmp_path, shakespeare_dir):
