@@ -64,7 +64,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
 
 # What jaxgpt writes into a run dir; `check_run_dir` refuses a run dir where one is the wrong kind.
-RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png", "tasks.png")
+RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png", "tasks.png", "data-verified.json")
 RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",

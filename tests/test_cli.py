@@ -212,6 +212,8 @@ def _bad_inputs(root, shakespeare_dir):
     run_with_file = root / "run-with-file"
     run_with_file.mkdir()
     (run_with_file / "checkpoints").write_text("not a dir")
+    run_with_dir = root / "run-with-dir"
+    (run_with_dir / "data-verified.json").mkdir(parents=True)  # was skipped silently: every resume read all data
     meta = json.loads((shakespeare_dir / "meta.json").read_text())
 
     def data_dir(name, meta_json):
@@ -250,6 +252,7 @@ def _bad_inputs(root, shakespeare_dir):
         ("train", ["--run-dir", str(a_file), *TINY], f"run dir {a_file} is a file, not a directory"),
         ("train", ["--run-dir", str(a_file / "sub"), *TINY], f"its parent {a_file} is a file"),
         ("train", ["--run-dir", str(run_with_file), *TINY], "checkpoints in run dir"),
+        ("train", ["--run-dir", str(run_with_dir), *TINY], "data-verified.json in run dir"),
         ("train", ["--run-dir", run, *TINY, f"data.path={a_file}"], f"{a_file} is a file, not a directory"),
         ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
         ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
