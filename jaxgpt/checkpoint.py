@@ -158,6 +158,7 @@ class Checkpointer:
     """One run's checkpoints: periodic async saves, resume from the newest readable step."""
 
     def __init__(self, directory: Path, cfg: CheckpointConfig):
+        _quiet_closed_loops()  # the manager reads each step's metadata already
         self.directory = Path(directory).absolute()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
@@ -423,13 +424,34 @@ class _DroppedReadTasks(logging.Filter):
         return not (exc is not None and "tensorstore_spec" in str(exc))
 
 
+class _UnreadableStepMetadata(logging.Filter):
+    """Orbax logs an absl ERROR, with the whole file's content, each time it meets a step's
+    `_CHECKPOINT_METADATA` that does not parse (three times per resume). That file holds only the
+    save's timestamps and Orbax goes on without it, so one warning line per file instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(("Failed to json parse Metadata file", "Failed to read Metadata file")):
+            return True
+        path = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "a step's metadata file"
+        if path not in self.said:
+            self.said.add(path)
+            _warn(f"{path} is unreadable; it holds only the save's timestamps, so the step is read without it")
+        return False
+
+
 def _quiet_closed_loops() -> None:
     """Drops "Event loop is closed" from sys.unraisablehook and TensorStore's never-retrieved read
-    tasks from the asyncio logger (see the module docstring); idempotent."""
+    tasks from the asyncio logger (see the module docstring), and turns Orbax's errors about an
+    unparsable step metadata file into one warning line; idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "jaxgpt_quiet", False):
         return
     logging.getLogger("asyncio").addFilter(_DroppedReadTasks())
+    logging.getLogger("absl").addFilter(_UnreadableStepMetadata())
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":

@@ -285,6 +285,17 @@ def test_hand_edited_data_state_and_a_file_named_like_a_step_are_damage(three_ch
         _restore(three_checkpoints)
 
 
+def test_garbled_step_metadata_is_one_warning_and_the_step_still_restores(three_checkpoints, capsys, caplog):
+    """Orbax's `_CHECKPOINT_METADATA` (the save's timestamps) not parsing: Orbax restores without it
+    but logged an absl ERROR with the file's content three times; one warning line instead."""
+    metadata = three_checkpoints / "checkpoints" / "6" / "_CHECKPOINT_METADATA"
+    metadata.write_text("garbage{")
+    assert _restore(three_checkpoints).step == 6
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1 and f"warning: {metadata} is unreadable" in err, err
+    assert "Failed to json parse" not in err + caplog.text
+
+
 def test_changed_model_shape_names_the_key_or_lists_the_mismatches(three_checkpoints):
     proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} "
