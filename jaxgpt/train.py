@@ -128,7 +128,8 @@ def _trim_metrics(path: Path, step: int | None) -> None:
     if jax.process_index() == 0 and path.exists():
         # read_jsonl drops a line a kill cut short and refuses garbage in one line (never lose rows)
         rows = read_jsonl(path, "metrics file", required={"step": int}) if step is not None else []
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
+        # whole or not at all: a kill while rewriting in place would lose the rows not yet written back
+        files.write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
 
 
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
@@ -308,8 +309,10 @@ class _Loop:
             if save:
                 ckpt.save(step, state, batches.get_state(), self.cfg)
             # Last, right before the next step starts: a stop request stops after the newest step
-            # started, the step its line names (jaxgpt/preemption.py).
-            if stop.requested(step):
+            # started, the step its line names (jaxgpt/preemption.py). After the last step there is
+            # none to start: the run ends as finished (exit 0), not preempted (a scheduler would
+            # requeue exit 75 for nothing).
+            if step < t.steps and stop.requested(step):
                 if pending is not None:
                     self.finish(*pending)
                 if not save:

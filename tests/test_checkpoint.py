@@ -158,6 +158,51 @@ def test_sigterm_stops_after_the_newest_step_started(reference, tmp_path, capsys
     assert _rows(tmp_path) == _rows(reference)
 
 
+def test_sigterm_during_the_last_step_ends_the_run_as_finished(reference, tmp_path, capsys, monkeypatch):
+    """The stop request arrives while the last step's metrics are read: the run has nothing left to
+    stop, so it finishes (exit 0, its final checkpoint and rows), instead of exit 75 that a
+    scheduler would requeue for a run with nothing to do."""
+    from jaxgpt import train as train_module
+
+    finish = train_module._Loop.finish
+
+    def finish_signalled(self, step, metrics):
+        if step == 12:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finish(self, step, metrics)
+
+    monkeypatch.setattr(train_module._Loop, "finish", finish_signalled)
+    assert train_module.main(["--run-dir", str(tmp_path), *RUN]) == 0
+    assert "preempted" not in capsys.readouterr().err
+    assert _rows(tmp_path) == _rows(reference)
+    assert (tmp_path / "checkpoints" / "12" / "commit_success.txt").exists()
+
+
+def test_a_kill_while_resuming_rewrites_metrics_loses_no_row(reference, tmp_path, monkeypatch):
+    """Every re-run rewrites metrics.jsonl to the rows of the checkpoint it resumes from (here all of
+    them: the run is finished). A kill during that rewrite (here: the process dies right before the
+    new file takes the old one's place) leaves the old file whole; the next re-run reads all rows."""
+    from jaxgpt import files
+    from jaxgpt import train as train_module
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    real_replace = files.os.replace
+
+    def killed(src, dst):
+        if Path(dst).name == "metrics.jsonl":
+            raise SystemExit(137)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", killed)
+    with pytest.raises(SystemExit):
+        train_module.main(["--run-dir", str(run), *RUN])
+    monkeypatch.undo()
+    assert _rows(run) == _rows(reference)
+    assert train_module.main(["--run-dir", str(run), *RUN]) == 0  # "nothing to do"
+    assert _rows(run) == _rows(reference) and not list(run.glob(".metrics.jsonl.*"))
+
+
 def test_reshard_dp8_to_fsdp_tp_and_one_device(tmp_path, shakespeare_dir):
     train(tiny_config("train.steps=4", "checkpoint.every=4", mesh="dp=8"), tmp_path)
     saved = _final_params(tmp_path, "dp=8")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -143,7 +144,7 @@ def _assert_tokenizer_is_jaxgpts(hf_dir) -> None:
     assert tok.encode("<|endoftext|>") == [50256] and enc.encode_ordinary("ROMEO: hi") == tok.encode("ROMEO: hi")
 
 
-def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir):
+def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir, monkeypatch):
     cfg = tiny_config("train.steps=2", mesh="dp=8")
     state = train(cfg, tmp_path / "run")
     assert export(tmp_path / "run", tmp_path / "hf") == 2
@@ -162,6 +163,27 @@ def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir):
     proc = run_cli("check", str(tmp_path / "hf"), module="jaxgpt.hf")
     assert proc.returncode == 0, proc.stderr
     assert "model.n_layer=2 model.n_head=4 model.n_embd=32 model.seq_len=32" in proc.stdout
+
+    # killed before the weights took their place: no model.safetensors a reader would take for a
+    # complete export; the re-run removes what the killed one staged and writes every file
+    from jaxgpt.hf import convert
+    real_replace = convert.os.replace
+
+    def killed(src, dst):
+        if Path(dst).name == WEIGHTS:
+            raise SystemExit(137)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(convert.os, "replace", killed)
+    monkeypatch.setattr(convert.shutil, "rmtree", lambda *a, **k: None)  # a SIGKILL runs no cleanup
+    with pytest.raises(SystemExit):
+        export(tmp_path / "run", tmp_path / "hf2")
+    monkeypatch.undo()
+    assert not (tmp_path / "hf2" / WEIGHTS).exists() and list((tmp_path / "hf2").glob(".jaxgpt-export-*"))
+    assert run_cli("check", str(tmp_path / "hf2"), module="jaxgpt.hf").returncode == EXIT_USER_ERROR
+    assert export(tmp_path / "run", tmp_path / "hf2") == 2
+    assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == sorted(EXPORT_FILES)
+    assert all((tmp_path / "hf2" / n).read_bytes() == (tmp_path / "hf" / n).read_bytes() for n in EXPORT_FILES)
 
 
 def test_mismatches_are_user_errors_naming_them(model, tmp_path):

@@ -7,7 +7,10 @@ llama.py) by its model_type, or without one by its `architectures`.
 shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that
 `GPT2LMHeadModel.from_pretrained` (or `LlamaForCausalLM`'s) reads, a `generation_config.json`
 (bos = eos = <|endoftext|>) and GPT-2's tokenizer files (`tokenizer.py`), so the directory is
-usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates.
+usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates. The files
+are written into a hidden staging directory inside OUT_DIR and then moved into place, the weights
+last: a killed export leaves no `model.safetensors` that `hf check` or `from_pretrained` would take
+for a complete directory (a re-run removes the staging directory left behind).
 
 `load_dir` is the way back, for initialising a run (`checkpoint.init_from_hf`). `import` turns an
 HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh optimizer
@@ -19,7 +22,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -171,13 +176,24 @@ def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
     fmt = _format_for(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # transformers refuses safetensors files without a "format" entry in their metadata.
-    save_file(fmt.to_hf(params, cfg.model), out_dir / WEIGHTS, metadata={"format": "pt"})
-    os.chmod(out_dir / WEIGHTS, 0o666 & ~files.umask())  # safetensors writes 0600; the other files follow the umask
-    (out_dir / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
-    (out_dir / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
-    tokenizer.write(out_dir, model_max_length=cfg.model.seq_len)
+    for left in out_dir.glob(f"{_STAGING}*"):  # a killed export's
+        shutil.rmtree(left, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=out_dir))
+    try:
+        # transformers refuses safetensors files without a "format" entry in their metadata.
+        save_file(fmt.to_hf(params, cfg.model), staging / WEIGHTS, metadata={"format": "pt"})
+        (staging / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
+        (staging / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
+        tokenizer.write(staging, model_max_length=cfg.model.seq_len)
+        for name in sorted(EXPORT_FILES, key=lambda name: name == WEIGHTS):  # the weights last
+            os.chmod(staging / name, 0o666 & ~files.umask())  # safetensors and mkdtemp's files: 0600
+            os.replace(staging / name, out_dir / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return step
+
+
+_STAGING = ".jaxgpt-export-"
 
 
 def _fresh_data_state() -> dict:
