@@ -139,6 +139,14 @@ def write_text_atomically(path: Path, text: str) -> None:
         raise
 
 
+def remove_leftovers(path: Path) -> None:
+    """Deletes the temporary files that write_text_atomically(path, ...) calls killed before their
+    rename left beside `path`. Only for a path one process writes (a run dir's own files)."""
+    path = Path(path)
+    for left in path.parent.glob(f".{path.name}.*.tmp"):
+        left.unlink(missing_ok=True)
+
+
 def writable_file(path: Path, what: str) -> Path:
     """`path` if a file can be written there: its directory exists and it is not itself a directory."""
     path = Path(path)

@@ -197,6 +197,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                 batches.set_state(data_state)
             if pid == 0:
                 run_dir.mkdir(parents=True, exist_ok=True)
+                for own in ("config.yaml", "metrics.jsonl"):  # this job's (the run dir is locked)
+                    files.remove_leftovers(run_dir / own)
                 files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
                 integrity.remember(verified)  # the shard verdicts, for the next session
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
