@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,8 +268,8 @@ class LoggingConfig:
         except ValueError:
             first = last = 0
         if not sep or not 1 <= first <= last:
-            raise UserError(f"logging.profile_steps must be START:STOP with 1 <= START <= STOP, e.g. 10:12 (quote it "
-                            f"in YAML, which reads 10:12 as a number); got {self.profile_steps!r}")
+            raise UserError(f"logging.profile_steps must be START:STOP with 1 <= START <= STOP, e.g. 10:12; "
+                            f"got {_short(self.profile_steps)}")
         return first, last
 
 
@@ -299,7 +300,7 @@ def all_keys() -> dict[str, dataclasses.Field]:
 
 
 def _nearest(key: str, options) -> str:
-    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, list(options), n=1, cutoff=0.5) if len(key) <= 200 else []
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -313,9 +314,13 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
         raw = ",".join(f"{k}={v}" for k, v in raw.items())
     if key == "eval.tasks" and isinstance(raw, list):  # or a list of NAME=PATH strings
         raw = ",".join(str(item) for item in raw)
-    value = yaml.safe_load(raw) if isinstance(raw, str) and want is not str else raw
+    try:  # a command-line value as a YAML file's would be read (jaxgpt.files.load_yaml: decimal numbers)
+        value = files.load_yaml(raw) if isinstance(raw, str) and want is not str else raw
+    except yaml.YAMLError as e:
+        raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {_short(raw)} "
+                        f"(not a YAML value: {str(e).splitlines()[0][:100]})") from None
     if want in (int, float) and isinstance(value, str):
-        try:  # YAML 1.1 reads '1e-3' as a string
+        try:  # '1_000'
             value = want(value)
         except ValueError:
             pass
@@ -324,12 +329,19 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
     if type(value) is not want:
-        raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {raw!r}")
+        raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {_short(raw)}")
     choices = f.metadata.get("choices")
     if choices and value not in choices:
-        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}; got {value!r}{_nearest(value, choices)}")
+        raise UserError(f"config key '{key}' must be one of {', '.join(choices)}; got {_short(value)}{_nearest(value, choices)}")
     _check_range(key, value, f)
     return value
+
+
+def _short(value: Any) -> str:
+    """repr(value), bounded: a YAML alias bomb is a few hundred bytes that nest into gigabytes."""
+    short = reprlib.Repr()  # attributes, not keywords: Python 3.11's Repr takes none
+    short.maxlevel, short.maxstring, short.maxother, short.maxlist, short.maxdict = 3, 60, 60, 4, 4
+    return short.repr(value)
 
 
 def _check_range(key: str, value: Any, f: dataclasses.Field) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -238,8 +239,39 @@ def read_jsonl(path: Path, what: str, required: Shape = {}, optional: Shape = {}
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, except that a key given twice in one mapping is an error: PyYAML
-    keeps the last one silently, so a config with two `train:` sections would lose the first."""
+    """yaml.safe_load's loader with two changes. A key given twice in one mapping is an error:
+    PyYAML keeps the last one silently, so a config with two `train:` sections would lose the
+    first. And numbers are read as YAML 1.2 (and Python) read them, not as YAML 1.1 does: `010` is
+    ten, not octal eight; `1:30` is text, not the base-60 number 90; `1e-3` is a float, not text;
+    hex, octal and binary forms are text (a config key that wants a number says so)."""
+
+
+_INT_TAG, _FLOAT_TAG = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in (_INT_TAG, _FLOAT_TAG)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_INT_TAG, re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    _FLOAT_TAG, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+.0123456789"))
+
+
+def _decimal_int(loader: _StrictLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    try:
+        return int(text, 10)
+    except ValueError:  # more digits than Python converts (4,300): no config value is near that
+        raise yaml.constructor.ConstructorError(None, None, f"the number {text[:20]}... has {len(text):,} characters",
+                                                node.start_mark) from None
+
+
+def _float(loader: _StrictLoader, node: yaml.ScalarNode) -> float:
+    text = loader.construct_scalar(node).lower()
+    return float(text.replace(".inf", "inf").replace(".nan", "nan"))
+
+
+_StrictLoader.add_constructor(_INT_TAG, _decimal_int)
+_StrictLoader.add_constructor(_FLOAT_TAG, _float)
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -248,6 +280,12 @@ def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode, d
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be overridden here
             continue
         key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a {type(key).__name__} cannot be a key (line {key_node.start_mark.line + 1})",
+                key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"key {key!r} is given twice (line {key_node.start_mark.line + 1})", key_node.start_mark)
@@ -259,8 +297,12 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _m
 
 
 def load_yaml(text: str) -> Any:
-    """yaml.safe_load, refusing a key given twice in a mapping (a yaml.YAMLError like any other)."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    """yaml.safe_load with _StrictLoader's two changes. Every way the text can fail is a
+    yaml.YAMLError, nesting too deep for the parser's recursion included."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except RecursionError:
+        raise yaml.YAMLError("it is nested too deeply") from None
 
 
 def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:

@@ -28,6 +28,12 @@ def test_no_config_is_the_shakespeare_default():
     ("model.n_layer=three", "wants an int"),
     ("model.dtype=bf16", "did you mean 'bfloat16'"),
     ("train.steps", "section.key=value"),
+    ("model.n_layer=[", r"wants an int, got '\[' \(not a YAML value"),  # was yaml's traceback
+    ("model.n_layer=*a", "wants an int, got '\\*a'"),
+    ("model.n_layer=!!python/object/apply:os.system [ls]", "wants an int"),
+    ("train.steps=1:30", "wants an int, got '1:30'"),  # YAML 1.1 read 90
+    ("model.n_layer=0x10", "wants an int, got '0x10'"),
+    ("train.steps=" + "9" * 5000, "wants an int"),  # Python's 4,300-digit limit: was a ValueError traceback
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(UserError, match=message):
@@ -126,6 +132,39 @@ def test_bad_config_files_are_one_sentence(tmp_path, content, message):
         load_config(str(path))
     with pytest.raises(UserError, match=r"config file .* is a directory, not a file"):
         load_config(str(tmp_path))
+
+
+def test_numbers_read_as_yaml_1_2_in_files_and_overrides(tmp_path):
+    """YAML 1.1 (PyYAML's default) read 010 as octal 8 and 1:30 as base-60 90, silently; '1e-3' as text."""
+    cfg = load_config(None, ["train.steps=010", "optimizer.lr=1e-3", "train.batch_size=1_6"])
+    assert (cfg.train.steps, cfg.optimizer.lr, cfg.train.batch_size) == (10, 0.001, 16)
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  steps: 010\noptimizer:\n  lr: 6e-4\nlogging:\n  profile_steps: 10:12\n")
+    cfg = load_config(str(path))
+    assert (cfg.train.steps, cfg.optimizer.lr, cfg.logging.profile_steps) == (10, 6e-4, "10:12")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("? [a, b]\n: 1\n", "a list cannot be a key"),  # was TypeError: unhashable type
+    ("model: " + "[" * 20000 + "]" * 20000 + "\n", "nested too deeply"),  # was a RecursionError traceback
+    ("model:\n  n_layer: " + "9" * 5000 + "\n", "has 5,000 characters"),
+])
+def test_malformed_yaml_files_are_one_error(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_config(str(path))
+
+
+def test_an_alias_bomb_is_reported_briefly(tmp_path):
+    """Nine levels of aliases: a few hundred bytes that nest into 10**9 items; the error quoted the
+    whole value (2.1 GB, 63 s)."""
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x, x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"model:\n  n_layer: [{', '.join(levels)}]\n")
+    with pytest.raises(UserError, match="wants an int") as e:
+        load_config(str(path))
+    assert len(str(e.value)) < 1000
 
 
 def test_yaml_merge_keys_still_override():
