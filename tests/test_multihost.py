@@ -189,6 +189,24 @@ def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
     assert waited < HEARTBEAT_S + 60  # bounded by the heartbeat, not a hang
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"NUM_PROCESSES": "abc", "PROCESS_ID": "0"}, "environment variable NUM_PROCESSES='abc' must be an integer >= 1"),
+    ({"NUM_PROCESSES": "2", "PROCESS_ID": "5"}, "PROCESS_ID=5 must be below NUM_PROCESSES=2"),
+    ({"NUM_PROCESSES": "2", "PROCESS_ID": "0", "JAXGPT_HEARTBEAT_TIMEOUT": "abc"}, "JAXGPT_HEARTBEAT_TIMEOUT='abc'"),
+    ({"NUM_PROCESSES": "2", "PROCESS_ID": "0", "LOCAL_DEVICE_IDS": "0,x"}, "LOCAL_DEVICE_IDS='0,x' must be device numbers"),
+])
+def test_a_bad_multi_process_environment_is_one_line(monkeypatch, env, says):
+    """Checked before jax.distributed starts (each was a ValueError traceback on every process)."""
+    from jaxgpt.errors import UserError
+    from jaxgpt.parallel import distributed
+
+    monkeypatch.setenv("COORDINATOR_ADDRESS", "127.0.0.1:1")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=says.replace("(", r"\(")):
+        distributed.initialize()
+
+
 def test_tp_across_hosts_is_refused(tmp_path):
     proc = _launch_local(tmp_path, "train.steps=2", "model.n_head=8", "--mesh", "dp=1,tp=8")
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -40,36 +40,57 @@ from jaxgpt.errors import UserError
 _ENV = ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID")
 
 
+def env_int(name: str, default: int, low: int = 0) -> int:
+    """The integer in environment variable `name` (default when unset or empty); a UserError naming
+    the variable for anything else or a value below `low`."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise UserError(f"environment variable {name}={text[:40]!r} must be an integer >= {low}")
+    return value
+
+
 def wanted() -> bool:
     """Whether the environment describes a multi-process job."""
     if all(os.environ.get(k) for k in _ENV):
-        return int(os.environ["NUM_PROCESSES"]) > 1
-    return int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ
+        return env_int("NUM_PROCESSES", 1, low=1) > 1
+    return env_int("SLURM_NTASKS", 1, low=1) > 1 and "SLURM_JOB_ID" in os.environ
 
 
 def initialize() -> None:
     """Starts `jax.distributed` when the environment asks for several processes; else does nothing."""
     if not wanted() or jax.distributed.is_initialized():
         return
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeout = int(os.environ.get("JAXGPT_HEARTBEAT_TIMEOUT", "60"))
+    timeout = env_int("JAXGPT_HEARTBEAT_TIMEOUT", 60, low=1)
+    init_timeout = env_int("JAXGPT_INIT_TIMEOUT", 300, low=1)
     kwargs = {}
     if all(os.environ.get(k) for k in _ENV):
-        kwargs = dict(coordinator_address=os.environ["COORDINATOR_ADDRESS"],
-                      num_processes=int(os.environ["NUM_PROCESSES"]), process_id=int(os.environ["PROCESS_ID"]))
+        n, rank = env_int("NUM_PROCESSES", 1, low=1), env_int("PROCESS_ID", 0)
+        if rank >= n:
+            raise UserError(f"PROCESS_ID={rank} must be below NUM_PROCESSES={n}")
+        kwargs = dict(coordinator_address=os.environ["COORDINATOR_ADDRESS"], num_processes=n, process_id=rank)
         if os.environ.get("LOCAL_DEVICE_IDS"):
-            kwargs["local_device_ids"] = [int(i) for i in os.environ["LOCAL_DEVICE_IDS"].split(",")]
-    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout,
-                               initialization_timeout=int(os.environ.get("JAXGPT_INIT_TIMEOUT", "300")))
+            ids = os.environ["LOCAL_DEVICE_IDS"].split(",")
+            if not all(i.strip().isdigit() for i in ids):
+                raise UserError(f"LOCAL_DEVICE_IDS={os.environ['LOCAL_DEVICE_IDS'][:40]!r} must be device numbers "
+                                f"separated by commas, e.g. 0,1")
+            kwargs["local_device_ids"] = [int(i) for i in ids]
+    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout, initialization_timeout=init_timeout)
 
 
 def restart_info() -> dict | None:
     """{restart, max_restarts, reason} when the launcher restarted this group, else None."""
-    count = int(os.environ.get("JAXGPT_RESTART_COUNT") or 0)
+    count = env_int("JAXGPT_RESTART_COUNT", 0)
     if count <= 0:
         return None
-    return {"restart": count, "max_restarts": int(os.environ.get("JAXGPT_MAX_RESTARTS") or 0),
+    return {"restart": count, "max_restarts": env_int("JAXGPT_MAX_RESTARTS", 0),
             "reason": os.environ.get("JAXGPT_RESTART_REASON", "")}
 
 
