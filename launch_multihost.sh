@@ -2,7 +2,7 @@
 # Start jaxgpt on several processes: one per host (default) or one per GPU, all with the same arguments.
 #
 #   ./launch_multihost.sh --local N [--devices-per-process K] [--max-restarts R] -- [train args]
-#       N processes on this machine, CPU devices (K each, default 4), gloo collectives. For testing
+#       N processes (1-64) on this machine, CPU devices (K each, default 4), gloo collectives. For testing
 #       and for trying multi-host layouts without a cluster.
 #   ./launch_multihost.sh [--per-gpu] [--max-restarts R] -- [train args]
 #       By hand, on every host: set COORDINATOR_ADDRESS=host0:port, NUM_PROCESSES and PROCESS_ID
@@ -25,13 +25,16 @@
 # JAXGPT_NO_GPU_FLAGS=1 to start from a clean XLA_FLAGS instead.
 set -euo pipefail
 
+fail() { echo "error: $*" >&2; exit 2; }
+value() { [[ $# -ge 2 && "$2" != --* ]] || fail "$1 needs a value (see --help)"; }
+set_mode() { [[ $mode == manual || $mode == "$1" ]] || fail "--local and --slurm are two ways to launch; give one"; mode=$1; }
 mode=manual nlocal=0 per_gpu=0 devices_per_process=4 max_restarts=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --local) mode=local; nlocal="$2"; shift 2 ;;
-    --devices-per-process) devices_per_process="$2"; shift 2 ;;
-    --slurm) mode=slurm; shift ;;
-    --max-restarts) max_restarts="$2"; shift 2 ;;
+    --local) value "$@"; set_mode local; nlocal="$2"; shift 2 ;;
+    --devices-per-process) value "$@"; devices_per_process="$2"; shift 2 ;;
+    --slurm) set_mode slurm; shift ;;
+    --max-restarts) value "$@"; max_restarts="$2"; shift 2 ;;
     --per-gpu) per_gpu=1; shift ;;
     --) shift; break ;;
     -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
@@ -39,7 +42,10 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 PYTHON="${PYTHON:-python}"
-[[ "$max_restarts" =~ ^[0-9]+$ ]] || { echo "error: --max-restarts needs a count (0 or more)" >&2; exit 2; }
+[[ "$max_restarts" =~ ^[0-9]{1,6}$ ]] || fail "--max-restarts needs a count (0 or more)"
+[[ "$devices_per_process" =~ ^[1-9][0-9]{0,3}$ ]] && (( devices_per_process <= 2048 )) ||
+  fail "--devices-per-process needs a count from 1 to 2048, got '$devices_per_process'"
+[[ $per_gpu == 0 || $mode != local ]] || fail "--per-gpu is for GPU hosts (--slurm or by hand); --local runs CPU processes"
 heartbeat="${JAXGPT_HEARTBEAT_TIMEOUT:-60}"
 
 gpu_flags() {
@@ -157,7 +163,8 @@ attempt_slurm() {
 
 case "$mode" in
   local)
-    [[ "$nlocal" =~ ^[1-9][0-9]*$ ]] || { echo "error: --local needs a process count" >&2; exit 2; }
+    [[ "$nlocal" =~ ^[1-9][0-9]{0,2}$ ]] && (( nlocal <= 64 )) ||
+      fail "--local needs a process count from 1 to 64 (processes on this machine), got '$nlocal'"
     # One port for every attempt: restarted processes meet where the first ones did, as by hand.
     # A port free now (the kernel's pick), so two local jobs on one machine never share one.
     port="${JAXGPT_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
@@ -167,6 +174,7 @@ case "$mode" in
     exit "$status"
     ;;
   slurm)
+    command -v srun >/dev/null || fail "--slurm needs srun: run this inside an sbatch or salloc allocation"
     gpu_flags
     if (( max_restarts == 0 )); then
       if [[ $per_gpu == 1 ]]; then

@@ -207,6 +207,19 @@ def test_a_bad_multi_process_environment_is_one_line(monkeypatch, env, says):
         distributed.initialize()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--local"], "--local needs a value"),  # was bash's "$2: unbound variable"
+    (["--local", "99999999999999999999", "--", "--help"], "from 1 to 64"),  # bash's arithmetic wrapped: 650+ processes
+    (["--local", "1", "--devices-per-process", "abc", "--"], "--devices-per-process needs a count"),  # was XLA's fatal
+    (["--local", "1", "--slurm", "--"], "two ways to launch"),
+    (["--local", "1", "--per-gpu", "--"], "--per-gpu is for GPU hosts"),
+])
+def test_launcher_arguments_are_checked_in_one_line(args, says):
+    proc = subprocess.run(["bash", "launch_multihost.sh", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "launch_multihost: process" not in proc.stdout, proc.stderr
+
+
 def test_tp_across_hosts_is_refused(tmp_path):
     proc = _launch_local(tmp_path, "train.steps=2", "model.n_head=8", "--mesh", "dp=1,tp=8")
     assert proc.returncode == 2, proc.stderr[-2000:]
