@@ -308,6 +308,12 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     checks.append(((unreadable,), f"Cannot read {unreadable}"))
     checks.append(((tmp_path / "missing*.jsonl",), "matches no files"))
     checks.append((("/dev/zero",), "Input /dev/zero is not a regular file or a directory"))  # never ends
+    surrogate = tmp_path / "surrogate.jsonl"  # JSON's \ud800 escape alone: a traceback from the tokenizer's encode
+    surrogate.write_text('{"text": "a\\ud800b"}\n{"text": "fine"}\n')
+    checks.append(((surrogate,), f"{surrogate}:1: the 'text' field holds a lone surrogate escape"))
+    pq.write_table(pa.table({"text": ["x", None, "y"]}), tmp_path / "nulls.parquet")  # were dropped silently
+    checks.append(((tmp_path / "nulls.parquet",), "the 'text' column is null in row 2"))
+    checks.append(((nofield, "--workers", "100000"), "--workers must be at most"))  # 100,000 processes
     for mb in ("nan", "inf", "0", "-1"):
         checks.append(((nofield, "--batch-mb", mb), "--batch-mb must be in (0, 1e6)"))
     for args, fragment in checks:

@@ -102,6 +102,8 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     workers = workers or default_workers()
     if workers < 1:
         raise UserError(f"--workers must be positive, got {workers}.")
+    if workers > (most := max(256, 2 * default_workers())):  # each is a process: 100,000 hung the machine
+        raise UserError(f"--workers must be at most {most} (this machine has {default_workers()} cores), got {workers}.")
     started = time.time()
     out_dir = writable_dir(Path(out_dir), "--out")  # before any output: a file there is one error line
     files = readers.find_inputs(inputs, exclude=out_dir)  # never the output of an earlier run

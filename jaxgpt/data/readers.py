@@ -245,6 +245,10 @@ class Reader:
             if not isinstance(text, str):
                 self._bad(path, lineno, f"the {field!r} field is {json_kind(text)}, not a string")
                 continue
+            if not text.isascii() and not _is_unicode(text):
+                self._bad(path, lineno, f"the {field!r} field holds a lone surrogate escape (such as \\ud800), "
+                                        "which is not Unicode text")
+                continue
             yield text
 
     def _parquet(self, path: Path) -> Iterator[str]:
@@ -265,12 +269,15 @@ class Reader:
             raise UserError(f"Column {self.text_field!r} of {path} holds {column_type}, not strings.")
         size, meta = path.stat().st_size, pf.metadata
         total = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) or 1
-        done = 0
+        done = row = 0
         try:
             for g in range(meta.num_row_groups):
                 for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.text_field]):
                     for text in batch.column(0).to_pylist():
-                        if text is not None:
+                        row += 1
+                        if text is None:  # as a JSON Lines null: an error, or counted with --skip-bad-lines
+                            self._bad(path, row, f"the {self.text_field!r} column is null in row {row}")
+                        else:
                             yield text
                 done += meta.row_group(g).total_byte_size
                 self.file_bytes_read = size * done // total
@@ -364,6 +371,16 @@ def _cut_at(chunks: Iterator[str], cut: int) -> Iterator:
 def _not_lines(path: Path, what: str) -> None:
     raise UserError(f"{path} holds {what}, not JSON Lines (one object per line); convert it, e.g. "
                     f"`jq -c '.[]' {path} > {path.with_suffix('.jsonl').name}`.")
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str holding lone surrogates (JSON's "\\ud800" escape decodes to one), which no
+    UTF-8 encoder, the tokenizer's included, accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_text(t) -> bool:
