@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from jaxgpt import _quiet
@@ -38,6 +39,13 @@ class Preempted(Exception):
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):  # one line instead of argparse's usage block
         self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
+
+
+def path_arg(text: str) -> Path:
+    """argparse type for a path: an empty one would be the current directory, silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (use . for the current directory)")
+    return Path(text)
 
 
 def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | None = None) -> int:

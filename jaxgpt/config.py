@@ -391,6 +391,8 @@ def _flatten_yaml(tree: Any, source: str) -> dict[str, Any]:
 def resolve_config_path(name_or_path: str | None) -> Path:
     if name_or_path is None:
         name_or_path = DEFAULT_CONFIG
+    if not name_or_path.strip():
+        raise UserError("--config must not be empty: give a YAML path or a bundled config's name")
     path = Path(name_or_path)
     if path.exists() and not path.is_file():
         files.require_file(path, "config file")  # says what it is instead

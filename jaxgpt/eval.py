@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import Config
 from jaxgpt.errors import UserError
 
@@ -29,7 +28,7 @@ def _main(argv: Sequence[str] | None) -> None:
     from jaxgpt.step import abstract_model
 
     parser = ArgumentParser(prog="python -m jaxgpt.eval", description="Score multiple-choice tasks with a checkpoint.")
-    parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
+    parser.add_argument("run", type=path_arg, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
     parser.add_argument("--task", action="append", required=True, metavar="[NAME=]PATH",
                         help="a HellaSwag JSONL file or a {context, choices, label} JSONL file, named NAME in "
                              "the output (default: the file name without its extension); repeatable")

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.data.corpus import DEFAULT_SHARD_TOKENS, default_workers, prepare_corpus
 from jaxgpt.errors import UserError
 
@@ -23,7 +23,7 @@ def _prepare(argv: Sequence[str] | None) -> None:
                     "files (one document each, or split by --separator), JSON Lines (.jsonl, "
                     ".ndjson, .json; also .gz/.zst) and Parquet, as files, directories or globs.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
-    parser.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory")
+    parser.add_argument("--out", required=True, type=path_arg, metavar="DIR", help="output directory")
     parser.add_argument("--val-fraction", type=float, default=0.1,
                         help="fraction of the documents (every 1/f-th one) kept for validation "
                              "(default 0.1)")

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt import files
-from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.errors import UserError
 from jaxgpt.tracking import check_run_dir, read_events
 
@@ -330,7 +330,7 @@ def write_report(run_dir: Path) -> Path:
 def _main(argv: Sequence[str] | None) -> None:
     parser = ArgumentParser(prog="python -m jaxgpt.report", description="Write RUN_DIR/report.md and loss.png.",
                             formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="a run dir written by python -m jaxgpt.train")
+    parser.add_argument("run_dir", type=path_arg, help="a run dir written by python -m jaxgpt.train")
     run_dir = files.require_dir(parser.parse_args(argv).run_dir, "run dir")
     files.writable_dir(run_dir, "run dir", files=("report.md", "loss.png", "tasks.png"))  # before reading it all
     path = write_report(run_dir)

@@ -21,7 +21,6 @@ import math
 import sys
 from collections.abc import Iterator, Sequence
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxgpt import files
-from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
 from jaxgpt.model import KVCache, compute_dtype
@@ -132,10 +131,10 @@ def _sample(argv: Sequence[str] | None) -> None:
     from jaxgpt.hf import restore_params  # restores the newest readable checkpoint on one device
 
     parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint.")
-    parser.add_argument("run", type=Path, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
+    parser.add_argument("run", type=path_arg, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline); <|endoftext|> in it "
                                                        "is the document separator")
-    parser.add_argument("--prompt-file", type=Path, help="read the prompt from this file instead")
+    parser.add_argument("--prompt-file", type=path_arg, help="read the prompt from this file instead")
     for flag, kind, default, doc in [
             ("--max-new-tokens", int, 200, "tokens to generate after the prompt"),
             ("--temperature", float, 0.8, "0 = greedy"),

@@ -54,7 +54,7 @@ import yaml
 
 from jaxgpt import allocator, data, files, hf
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
-from jaxgpt.cli import ArgumentParser, Diverged, Preempted, run_main
+from jaxgpt.cli import ArgumentParser, Diverged, Preempted, path_arg, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.data import integrity
 from jaxgpt.errors import UserError
@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     parser.add_argument("--config", help="a YAML file, or the name of one in configs/ (default: shakespeare)")
     parser.add_argument("--mesh", help="device mesh, e.g. dp=8 or dp=2,fsdp=2,tp=2 or ep=4,dp=2 (unnamed axes are 1; "
                         "one may be -1)")
-    parser.add_argument("--run-dir", type=Path, help="metrics.jsonl and checkpoints go here; an existing one resumes "
+    parser.add_argument("--run-dir", type=path_arg, help="metrics.jsonl and checkpoints go here; an existing one resumes "
                                                      "(default: runs/CONFIG)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)  # options may sit between overrides

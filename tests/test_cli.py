@@ -253,6 +253,10 @@ def _bad_inputs(root, shakespeare_dir):
         ("train", ["--run-dir", str(a_file / "sub"), *TINY], f"its parent {a_file} is a file"),
         ("train", ["--run-dir", str(run_with_file), *TINY], "checkpoints in run dir"),
         ("train", ["--run-dir", str(run_with_dir), *TINY], "data-verified.json in run dir"),
+        ("train", ["--run-dir", "", *TINY], "argument --run-dir: must not be empty"),  # trained into the cwd
+        ("train", ["--run-dir", run, "--config", " "], "--config must not be empty"),
+        ("prepare", ["", "--out", str(root / "prepared")], "an input path is empty"),  # walked the cwd
+        ("sample", [""], "argument run: must not be empty"),
         ("train", ["--run-dir", run, *TINY, f"data.path={a_file}"], f"{a_file} is a file, not a directory"),
         ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
         ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
@@ -291,7 +295,10 @@ def test_malformed_files_and_paths_are_one_line_everywhere(tmp_path, shakespeare
     import importlib
 
     for command, argv, fragment in _bad_inputs(tmp_path, shakespeare_dir):
-        code = importlib.import_module(f"jaxgpt.{command}").main(argv)
+        try:
+            code = importlib.import_module(f"jaxgpt.{command}").main(argv)
+        except SystemExit as e:  # argparse's own errors (its exit, one line: cli.ArgumentParser)
+            code = e.code
         out, err = capsys.readouterr()
         assert (code, out) == (EXIT_USER_ERROR, ""), (command, argv, code, out, err)
         assert len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, (command, argv, err)

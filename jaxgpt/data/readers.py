@@ -53,6 +53,8 @@ def find_inputs(inputs: Sequence[str | Path], exclude: Path | None = None) -> li
     Files under `exclude` (the output directory, when it sits inside an input directory) are
     left out, so a re-run never reads its own shards back as input.
     """
+    if any(not str(given).strip() for given in inputs):  # '' would be the current directory, walked whole
+        raise UserError("an input path is empty; use . for the current directory")
     files: list[Path] = []
     seen: dict[str, Path] = {}
     skip = os.path.realpath(exclude) if exclude is not None else None

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
-from jaxgpt.cli import ArgumentParser, run_main
+from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.hf.convert import EXPORT_FILES, check_dir, export, import_dir
 
 
@@ -13,14 +12,14 @@ def _main(argv: Sequence[str] | None) -> None:
     parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2 and Llama export and import.")
     commands = parser.add_subparsers(dest="command", required=True)
     ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 or Llama directory")
-    ex.add_argument("run_dir", type=Path, help="a run dir or its checkpoints dir")
-    ex.add_argument("out_dir", type=Path, help="gets the weights, config.json, generation_config.json and tokenizer")
+    ex.add_argument("run_dir", type=path_arg, help="a run dir or its checkpoints dir")
+    ex.add_argument("out_dir", type=path_arg, help="gets the weights, config.json, generation_config.json and tokenizer")
     check = commands.add_parser("check", help="load an HF GPT-2 or Llama directory and print its size")
-    check.add_argument("hf_dir", type=Path)
+    check.add_argument("hf_dir", type=path_arg)
     imp = commands.add_parser("import", help="turn an HF GPT-2 or Llama directory into a jaxgpt run dir "
                                              "(a step-0 checkpoint)")
-    imp.add_argument("hf_dir", type=Path, help="config.json + model.safetensors (save_pretrained or export)")
-    imp.add_argument("run_dir", type=Path, help="a new run dir; gets checkpoints/0 and config.yaml")
+    imp.add_argument("hf_dir", type=path_arg, help="config.json + model.safetensors (save_pretrained or export)")
+    imp.add_argument("run_dir", type=path_arg, help="a new run dir; gets checkpoints/0 and config.yaml")
     imp.add_argument("--config", help="a YAML file or bundled config for the non-model keys (default: shakespeare)")
     imp.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args, extra = parser.parse_known_args(argv)  # overrides may follow --config (argparse cannot intermix here)
