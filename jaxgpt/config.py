@@ -476,6 +476,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.grad_accum={t.grad_accum} does not divide train.batch_size={t.batch_size}")
+    if t.batch_size * m.seq_len >= 2**31:  # the loss and token counts are int32 on the device
+        raise UserError(f"train.batch_size x model.seq_len = {t.batch_size * m.seq_len:,} tokens per step must be "
+                        f"below 2**31")
     micro, batch_ways = t.batch_size // t.grad_accum, sizes["dp"] * sizes["fsdp"] * sizes["ep"]
     if micro % batch_ways:
         raise UserError(f"the micro-batch of {micro} sequences (train.batch_size / train.grad_accum) "

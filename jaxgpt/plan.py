@@ -157,7 +157,17 @@ def host_memory_available() -> int | None:
     return min(available) if available else None
 
 
-def check_memory(step, state, batch, mesh, device, per_device: int | None = None) -> None:
+def activation_floor(cfg: Config, sizes: dict[str, int]) -> int:
+    """Bytes per device that any train step of cfg needs beyond its state, at least: each layer's
+    input for one micro-batch, in 2-byte floats (what the backward pass keeps even with
+    model.remat=full). check_memory holds the run to this before compiling: XLA:CPU's compiler
+    itself crashed (SIGFPE) on a step of a billion tokens a micro-batch."""
+    m, t = cfg.model, cfg.train
+    tokens = t.batch_size // t.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"]) * m.seq_len
+    return tokens * m.n_embd * (m.n_layer // sizes["pp"] or 1) * 2
+
+
+def check_memory(step, state, batch, mesh, device, per_device: int | None = None, floor: int = 0) -> None:
     """A UserError, before anything runs, when the run cannot fit its devices' memory.
 
     On a CPU the devices' memory is the host's, and running out ends the process with no word (the
@@ -168,7 +178,8 @@ def check_memory(step, state, batch, mesh, device, per_device: int | None = None
     is the train loop's own jitted step, so the compile here is the one its first call reuses.
     state and batch: the step's inputs as ShapeDtypeStructs with their shardings (`abstract_inputs`).
     per_device: `memory_per_device`'s figure where the caller already read it (train: the one
-    `model.remat=auto` chose against, so the two never disagree); default: read now."""
+    `model.remat=auto` chose against, so the two never disagree); default: read now.
+    floor: `activation_floor`'s bytes per device, checked with the state before compiling."""
     import jax
 
     cpu = device.platform == "cpu"
@@ -185,6 +196,12 @@ def check_memory(step, state, batch, mesh, device, per_device: int | None = None
         raise UserError(f"the train state alone (parameters and optimizer moments) needs {state_bytes / GIB:.1f} "
                         f"GiB of {where}, but {available / GIB:.1f} GiB is available; use a smaller model, an "
                         f"fsdp axis (each device then holds a shard of the state, not a copy), or "
+                        + ("a machine with more memory" if cpu else "more devices"))
+    if state_bytes + floor * local > available:
+        raise UserError(f"the train step needs more than {(state_bytes + floor * local) / GIB:,.1f} GiB of {where} "
+                        f"(train state {state_bytes / GIB:.1f} GiB, each layer's input for one micro-batch "
+                        f"{floor * local / GIB:,.1f} GiB), but {available / GIB:.1f} GiB is available; use smaller "
+                        f"micro-batches (train.batch_size, train.grad_accum), a smaller model, or "
                         + ("a machine with more memory" if cpu else "more devices"))
     with jax.set_mesh(mesh):
         memory = memory_analysis(step.lower(state, batch).compile())

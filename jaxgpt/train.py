@@ -67,7 +67,7 @@ from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.plan import abstract_inputs, check_memory, local_device, resolve_remat
+from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, local_device, resolve_remat
 from jaxgpt.preemption import StopRequest
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, kernels_in_traces, require_wandb, run_info
@@ -183,7 +183,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             train_step = make_train_step(cfg, mesh, setup)
             # Before anything is written: a run too big for its devices is one line, not the OOM
             # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
-            check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices), memory)
+            check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices), memory,
+                         floor=activation_floor(cfg, sizes))
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     except BaseException:

@@ -52,6 +52,7 @@ def test_mesh_resolution():
 @pytest.mark.parametrize("overrides, mesh, message", [
     (["train.batch_size=12"], "dp=8", "does not split over dp x fsdp x ep = 8"),
     (["train.grad_accum=3"], "dp=8", "does not divide train.batch_size"),
+    (["train.batch_size=1073741824"], "dp=8", "137,438,953,472 tokens per step must be below 2"),  # hung reading eval
     (["model.n_head=3", "model.n_embd=48"], "dp=4,tp=2", "not divisible by the tp axis"),
     (["model.n_head=5"], "dp=8", "does not divide model.n_embd"),
     (["model.loss_chunk=48"], "dp=8", "model.loss_chunk=48 does not divide model.seq_len=128"),

@@ -180,7 +180,7 @@ def test_a_step_over_an_accelerators_memory_is_refused_before_it_runs():
     the step's peak passes."""
     from jaxgpt.errors import UserError
     from jaxgpt.parallel.mesh import make_mesh
-    from jaxgpt.plan import abstract_inputs, check_memory, memory_analysis
+    from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, memory_analysis
     from jaxgpt.step import make_setup, make_train_step
 
     cfg = tiny_config(mesh="fsdp=8")
@@ -195,6 +195,12 @@ def test_a_step_over_an_accelerators_memory_is_refused_before_it_runs():
     with pytest.raises(UserError, match=r"the train step needs .* GiB of memory per GPU device .* more devices"):
         check_memory(step, state, batch, mesh, _GPU(peak - 1))
     check_memory(step, state, batch, mesh, _GPU(peak))
+    # the activations' floor, before compiling (XLA:CPU's compiler crashed with SIGFPE on a step of
+    # 2**30 tokens a micro-batch): the real step needs more than the floor, so the floor alone passes
+    floor = activation_floor(cfg, {"pp": 1, "dp": 1, "fsdp": 8, "ep": 1, "tp": 1})
+    assert 0 < floor < peak
+    with pytest.raises(UserError, match=r"needs more than .* each layer's input for one micro-batch"):
+        check_memory(step, state, batch, mesh, _GPU(peak), floor=peak)
 
 
 def test_remat_auto_on_a_cpu_fits_the_hosts_memory(tmp_path, monkeypatch, capsys, shakespeare_dir):

@@ -22,6 +22,8 @@
 [b*G, (b+1)*G) modulo the number of windows, cut the same way into per-process rows.
 """
 
+import collections.abc
+from collections.abc import Sequence
 from pathlib import Path
 
 import grain
@@ -192,13 +194,26 @@ def train_iterator(tokens, *, seq_len: int, global_batch: int, seed: int, proces
 
 
 def eval_batches(tokens, *, seq_len: int, global_batch: int, num_batches: int,
-                 process_index: int, process_count: int) -> list[np.ndarray]:
-    """Fixed unshuffled batches: global batch b = windows [b*G, (b+1)*G) mod #windows."""
+                 process_index: int, process_count: int) -> Sequence[np.ndarray]:
+    """Fixed unshuffled batches: global batch b = windows [b*G, (b+1)*G) mod #windows. Each batch is
+    read when it is asked for (every evaluation), not all at the start: a run's memory check comes
+    after this, and a batch too big for the host must fail there, not hang here."""
     from jaxgpt.data.mix import Mixture
     local = _local_batch(global_batch, process_index, process_count)
     windows = tokens.eval_windows(seq_len) if isinstance(tokens, Mixture) else Windows(tokens, seq_len)
-    batches = []
-    for b in range(num_batches):
-        ids = (b * global_batch + process_index * local + np.arange(local)) % len(windows)
-        batches.append(np.stack([windows[int(i)] for i in ids]))
-    return batches
+    return _EvalBatches(windows, global_batch, local, process_index, num_batches)
+
+
+class _EvalBatches(collections.abc.Sequence):
+    def __init__(self, windows, global_batch: int, local: int, process_index: int, num_batches: int):
+        self.windows, self.global_batch, self.local = windows, global_batch, local
+        self.process_index, self.num_batches = process_index, num_batches
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, b: int) -> np.ndarray:
+        if not 0 <= b < self.num_batches:
+            raise IndexError(b)
+        ids = (b * self.global_batch + self.process_index * self.local + np.arange(self.local)) % len(self.windows)
+        return np.stack([self.windows[int(i)] for i in ids])
