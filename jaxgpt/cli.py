@@ -64,7 +64,7 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED
-    except (RuntimeError, OSError, ValueError, AssertionError) as e:  # TensorStore: a full disk as a ValueError
+    except (RuntimeError, OSError, ValueError, AssertionError, MemoryError) as e:  # TensorStore: a full disk as a ValueError
         if (said := environment_failure(e)) is None:
             raise
         code, line = said
@@ -90,6 +90,8 @@ def environment_failure(e: BaseException) -> tuple[int, str] | None:
         return EXIT_USER_ERROR, f"{first[:300]} (check JAX_PLATFORMS)"
     if (line := out_of_memory(e)) is not None:
         return EXIT_FAILED, f"a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}"
+    if isinstance(e, MemoryError):  # a host allocation (NumPy's says how much); eval's --batch-size among the fixes
+        return EXIT_FAILED, f"the host ran out of memory ({first[:200] or type(e).__name__}); {OUT_OF_MEMORY_HINT}"
     if (line := disk_full(e)) is not None:
         return EXIT_FAILED, line
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
@@ -120,7 +122,7 @@ def disk_full(e: BaseException) -> str | None:
 
 
 OUT_OF_MEMORY_HINT = ("a smaller batch or model, or more devices, need less (training: train.grad_accum, "
-                      "model.remat=full; sampling: --num-samples); `python -m jaxgpt.plan` shows a train step's "
+                      "model.remat=full; sampling: --num-samples; eval: --batch-size); `python -m jaxgpt.plan` shows a train step's "
                       "memory per device without running it")
 
 

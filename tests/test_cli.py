@@ -101,6 +101,10 @@ def test_a_device_out_of_memory_is_one_line(capsys):
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1, err
     assert err.startswith("error: a device ran out of memory (RESOURCE_EXHAUSTED: ") and "jaxgpt.plan" in err, err
+    host = MemoryError("Unable to allocate 5.82 TiB for an array with shape (99999999999, 16)")  # NumPy's, on the host
+    assert run_main(lambda _argv: (_ for _ in ()).throw(host)) == EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert err.startswith("error: the host ran out of memory (Unable to allocate 5.82 TiB") and err.count("\n") == 1, err
     for other in (RuntimeError("not memory"), jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: quota exceeded")):
         with pytest.raises(RuntimeError, match="not memory|quota exceeded"):
             run_main(lambda _argv, e=other: (_ for _ in ()).throw(e))
