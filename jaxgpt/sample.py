@@ -3,7 +3,9 @@
 Generation uses a KV cache: one jitted prefill runs the prompt through the model and fills every
 layer's keys and values; then a jitted decode step feeds one token per sample, attends to the
 cache, and writes its own key/value at the next slot. Each new token costs one position's work
-instead of re-running the whole sequence (tests check both give the same tokens).
+instead of re-running the whole sequence (tests check both give the same tokens). Text longer
+than the model's context is generated as nanoGPT does, by cropping: when the cache is full, the
+newest half of the context is prefilled again (from position 0) and decoding goes on from there.
 
 Sampling: logits / temperature, then top-k (keep the k most likely), then top-p (keep the smallest
 set whose probability reaches p), then a categorical draw from the seed. temperature=0 is greedy.
@@ -73,9 +75,10 @@ def generate(graphdef: nnx.GraphDef, params: dict, cfg: Config, prompt_BT: np.nd
 
 
 def check_fits(prompt_tokens: int, max_new_tokens: int, cfg: Config) -> None:
-    if prompt_tokens + max_new_tokens > cfg.model.seq_len:
-        raise UserError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the "
-                        f"model's context of {cfg.model.seq_len} tokens")
+    """The prompt must fit the context; the generated text may run past it (`_generate`)."""
+    if prompt_tokens > cfg.model.seq_len:
+        raise UserError(f"the prompt ({prompt_tokens} tokens) is longer than the model's context of "
+                        f"{cfg.model.seq_len} tokens; shorten it")
 
 
 def check_host_memory(cfg: Config, num_samples: int, prompt_tokens: int) -> None:
@@ -116,10 +119,19 @@ def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top
 
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     token_B, cache = prefill(params, jnp.asarray(prompt_BT, jnp.int32), keys[0])
-    yield np.asarray(token_B)
+    out = [np.asarray(token_B)]
+    yield out[-1]
+    pos, seq, keep = prompt_BT.shape[1], cfg.model.seq_len, max(1, cfg.model.seq_len // 2)
     for i in range(1, max_new_tokens):
-        token_B, cache = decode(params, token_B, cache, keys[i])
-        yield np.asarray(token_B)
+        if pos < seq:  # room in the cache for the newest token
+            token_B, cache = decode(params, token_B, cache, keys[i])
+            pos += 1
+        else:  # the context is full: start again from its newest half (positions from 0, as nanoGPT crops)
+            window_BT = np.concatenate([prompt_BT, np.stack(out, axis=1)], axis=1)[:, -keep:]
+            token_B, cache = prefill(params, jnp.asarray(window_BT, jnp.int32), keys[i])
+            pos = keep
+        out.append(np.asarray(token_B))
+        yield out[-1]
 
 
 # Each numeric flag's allowed values, checked (with its own message) before anything is loaded.

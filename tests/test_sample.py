@@ -36,6 +36,16 @@ def test_cached_decoding_matches_full_recomputation():
         seq = np.concatenate([seq, np.asarray(jnp.argmax(forward(params, seq)[:, -1], -1))[:, None]], axis=1)
     np.testing.assert_array_equal(cached, seq[:, 5:])
 
+    # past the context (32): cropped to its newest half whenever it is full, positions from 0 again
+    cached = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 70, temperature=0)), axis=1)
+    seq, start = prompt_BT, 0
+    for _ in range(70):
+        if seq.shape[1] - start > cfg.model.seq_len:
+            start = seq.shape[1] - cfg.model.seq_len // 2
+        next_B = np.asarray(jnp.argmax(forward(params, seq[:, start:])[:, -1], -1))
+        seq = np.concatenate([seq, next_B[:, None]], axis=1)
+    np.testing.assert_array_equal(cached, seq[:, 5:])
+
 
 def test_sampling_is_seeded():
     cfg = tiny_config()
@@ -90,9 +100,8 @@ def test_sample_cli_bad_input(trained_run, capsys, monkeypatch):
     monkeypatch.setattr(plan, "host_memory_available", lambda: 24 * 2**30)  # as if every host said so
 
     for args, fragment in [
-        (["--max-new-tokens", "40"], "the prompt (1 tokens) plus --max-new-tokens (40) exceeds the model's context "
-                                     "of 32 tokens"),
-        (["--prompt", "a b c d e f g h i j k l m n o p q r s t u v w x y z"], "the prompt (26 tokens)"),
+        (["--prompt", " ".join("abcdefghijklmnopqrstuvwxyz" * 2)], "the prompt (52 tokens) is longer than the model's "
+                                                                    "context of 32 tokens"),
         (["--mesh", "tp=3", "--max-new-tokens", "4"], "has 3 devices but 8"),
         (["--mesh", "pp=2,tp=4", "--max-new-tokens", "4"], "sampling does not pipeline (pp=2)"),
         (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
