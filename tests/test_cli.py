@@ -216,6 +216,10 @@ def _bad_inputs(root, shakespeare_dir):
     run_with_file = root / "run-with-file"
     run_with_file.mkdir()
     (run_with_file / "checkpoints").write_text("not a dir")
+    foreign = root / "foreign"  # someone's directory: an export must not overwrite their config.json
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    (foreign / "config.json").write_text("{}")
     run_with_dir = root / "run-with-dir"
     (run_with_dir / "data-verified.json").mkdir(parents=True)  # was skipped silently: every resume read all data
     meta = json.loads((shakespeare_dir / "meta.json").read_text())
@@ -278,6 +282,7 @@ def _bad_inputs(root, shakespeare_dir):
         ("hf", ["check", str(a_file)], "is a file, not a directory"),
         ("hf", ["export", str(a_file), str(root / "out")], "is a file, not a directory"),
         ("hf", ["export", str(root), str(a_file)], f"export directory {a_file} is a file"),
+        ("hf", ["export", str(root), str(foreign)], "holds other files (notes.txt)"),
         ("hf", ["import", str(hf_list), str(root / "imported")], "holds a list"),
         ("sample", [run, "--prompt-file", str(binary_prompt)], "is not UTF-8 text (byte 0x89"),
         ("sample", [run, "--prompt-file", str(root)], "is a directory, not a file"),

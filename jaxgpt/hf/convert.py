@@ -173,6 +173,11 @@ def generation_config() -> dict[str, Any]:
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
     out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
+    if out_dir.is_dir() and (others := sorted(p.name for p in out_dir.iterdir()
+                                              if p.name not in EXPORT_FILES and not p.name.startswith(_STAGING))):
+        raise UserError(f"export directory {out_dir} holds other files ({', '.join(others[:5])}"
+                        f"{', ...' if len(others) > 5 else ''}); export into a new or empty directory, or over an "
+                        f"earlier export")  # a run dir, or someone's config.json next to their notes
     params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
     fmt = _format_for(cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
