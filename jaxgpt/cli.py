@@ -37,8 +37,19 @@ class Preempted(Exception):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of argparse's usage block
+    """argparse, with an error as one line instead of argparse's usage block, and an option given
+    twice refused (argparse keeps the last silently: `--config a.yaml --config b.yaml` trained b)."""
+
+    def error(self, message: str):
         self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        given = [a.split("=", 1)[0] for a in (sys.argv[1:] if args is None else args) if a.startswith("--")]
+        for action in self._actions:
+            if isinstance(action, argparse._StoreAction) and action.option_strings:
+                if sum(given.count(o) for o in action.option_strings) > 1:
+                    self.error(f"{'/'.join(action.option_strings)} is given twice")
+        return super().parse_known_args(args, namespace)
 
 
 def path_arg(text: str) -> Path:

@@ -163,6 +163,8 @@ def _sample(argv: Sequence[str] | None) -> None:
             finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
             raise UserError(f"{flag} must be {finite}{allowed}, got {value}")
     if args.prompt_file is not None:
+        if any(a == "--prompt" or a.startswith("--prompt=") for a in (sys.argv[1:] if argv is None else argv)):
+            raise UserError("give --prompt or --prompt-file, not both")
         args.prompt = files.read_text(args.prompt_file, "--prompt-file")
     enc = gpt2_encoding()
     # "<|endoftext|>" in a prompt is the document separator, as Hugging Face's GPT-2 tokenizer reads it

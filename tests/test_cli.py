@@ -265,6 +265,8 @@ def _bad_inputs(root, shakespeare_dir):
         ("train", ["--run-dir", run, "--config", " "], "--config must not be empty"),
         ("prepare", ["", "--out", str(root / "prepared")], "an input path is empty"),  # walked the cwd
         ("sample", [""], "argument run: must not be empty"),
+        ("train", ["--run-dir", run, "--config", "a", "--config", "b"], "--config is given twice"),  # b was taken
+        ("sample", [run, "--prompt", "x", "--prompt-file", str(binary_prompt)], "give --prompt or --prompt-file, not both"),
         ("train", ["--run-dir", run, *TINY, f"data.path={a_file}"], f"{a_file} is a file, not a directory"),
         ("train", ["--run-dir", run, *TINY, f"data.path={list_meta}"], "holds a list, not an object"),
         ("train", ["--run-dir", run, *TINY, f"data.path={no_vocab}"], "lacks the key 'vocab_size'"),
