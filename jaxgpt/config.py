@@ -307,6 +307,8 @@ def _nearest(key: str, options) -> str:
 def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
     want = type(f.default)
+    if isinstance(raw, (list, dict)) and any(v is None for v in (raw.values() if isinstance(raw, dict) else raw)):
+        raise UserError(f"config key '{key}' holds an empty (null) entry: {_short(raw)}")
     if key == "data.mix" and isinstance(raw, list):  # YAML list form: [{web: 0.7}, {code: 0.3}] or ["web:0.7", ...]
         raw = ",".join(",".join(f"{k}:{v}" for k, v in item.items()) if isinstance(item, dict) else str(item)
                        for item in raw)

@@ -140,6 +140,16 @@ def write_text_atomically(path: Path, text: str) -> None:
         raise
 
 
+def is_unicode(text: str) -> bool:
+    """False for a str holding lone surrogates (JSON's "\\ud800" escape decodes to one; bytes that
+    are not UTF-8 reach sys.argv as them), which no UTF-8 encoder, the tokenizer's included, accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def remove_leftovers(path: Path) -> None:
     """Deletes the temporary files that write_text_atomically(path, ...) calls killed before their
     rename left beside `path`. Only for a path one process writes (a run dir's own files)."""

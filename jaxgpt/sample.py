@@ -168,6 +168,8 @@ def _sample(argv: Sequence[str] | None) -> None:
         args.prompt = files.read_text(args.prompt_file, "--prompt-file")
     enc = gpt2_encoding()
     # "<|endoftext|>" in a prompt is the document separator, as Hugging Face's GPT-2 tokenizer reads it
+    if not files.is_unicode(args.prompt):  # bytes that are not UTF-8 reach argv as lone surrogates
+        raise UserError("--prompt is not UTF-8 text")
     prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
     def check(cfg: Config) -> None:  # before any parameter is read
         check_fits(len(prompt), args.max_new_tokens, cfg)

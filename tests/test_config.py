@@ -149,6 +149,8 @@ def test_numbers_read_as_yaml_1_2_in_files_and_overrides(tmp_path):
     ("? [a, b]\n: 1\n", "a list cannot be a key"),  # was TypeError: unhashable type
     ("model: " + "[" * 20000 + "]" * 20000 + "\n", "nested too deeply"),  # was a RecursionError traceback
     ("model:\n  n_layer: " + "9" * 5000 + "\n", "has 5,000 characters"),
+    ("eval:\n  tasks: {a: null}\n", "'eval.tasks' holds an empty \\(null\\) entry"),  # was "task file None does not exist"
+    ("data:\n  mix: [null]\n", "'data.mix' holds an empty \\(null\\) entry"),
 ])
 def test_malformed_yaml_files_are_one_error(tmp_path, text, message):
     path = tmp_path / "c.yaml"

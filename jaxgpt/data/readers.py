@@ -36,7 +36,7 @@ from pathlib import Path
 import zstandard
 
 from jaxgpt.errors import UserError
-from jaxgpt.files import json_kind
+from jaxgpt.files import is_unicode, json_kind
 
 MAX_PIECE_CHARS = 1 << 20
 _READ_CHARS = 1 << 20
@@ -247,7 +247,7 @@ class Reader:
             if not isinstance(text, str):
                 self._bad(path, lineno, f"the {field!r} field is {json_kind(text)}, not a string")
                 continue
-            if not text.isascii() and not _is_unicode(text):
+            if not text.isascii() and not is_unicode(text):
                 self._bad(path, lineno, f"the {field!r} field holds a lone surrogate escape (such as \\ud800), "
                                         "which is not Unicode text")
                 continue
@@ -373,16 +373,6 @@ def _cut_at(chunks: Iterator[str], cut: int) -> Iterator:
 def _not_lines(path: Path, what: str) -> None:
     raise UserError(f"{path} holds {what}, not JSON Lines (one object per line); convert it, e.g. "
                     f"`jq -c '.[]' {path} > {path.with_suffix('.jsonl').name}`.")
-
-
-def _is_unicode(text: str) -> bool:
-    """False for a str holding lone surrogates (JSON's "\\ud800" escape decodes to one), which no
-    UTF-8 encoder, the tokenizer's included, accepts."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_text(t) -> bool:
