@@ -221,7 +221,7 @@ def test_launcher_arguments_are_checked_in_one_line(args, says):
 
 
 def test_tp_across_hosts_is_refused(tmp_path):
-    proc = _launch_local(tmp_path, "train.steps=2", "model.n_head=8", "--mesh", "dp=1,tp=8")
+    proc = _launch_local(tmp_path, "train.steps=2", "model.n_head=8", mesh="dp=1,tp=8")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "would cross hosts" in proc.stderr and "Traceback" not in proc.stderr
 
