@@ -198,7 +198,6 @@ class Checkpointer:
         `config` (this run's) lets a shape mismatch name the keys that changed. `set_aside`
         (the run resuming itself) moves the damaged steps newer than the one restored, and
         half-written saves, to damaged/."""
-        _quiet_closed_loops()
         self.manager.reload()
         steps = sorted(self.manager.all_steps(), reverse=True)
         # A file with a step's name (Orbax lists only directories) is no checkpoint but says one was

@@ -70,11 +70,11 @@ def _pick(logits_BV: jax.Array, key: jax.Array, temperature: float, top_k: int, 
 def generate(graphdef: nnx.GraphDef, params: dict, cfg: Config, prompt_BT: np.ndarray, max_new_tokens: int, *,
              temperature: float = 0.8, top_k: int = 200, top_p: float = 1.0, seed: int = 0) -> Iterator[np.ndarray]:
     """An iterator over the next token of every sample, [B], max_new_tokens times (KV-cached)."""
-    check_fits(prompt_BT.shape[1], max_new_tokens, cfg)  # here, not in the generator below, so it fails at the call
+    check_fits(prompt_BT.shape[1], cfg)  # here, not in the generator below, so it fails at the call
     return _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed)
 
 
-def check_fits(prompt_tokens: int, max_new_tokens: int, cfg: Config) -> None:
+def check_fits(prompt_tokens: int, cfg: Config) -> None:
     """The prompt must fit the context; the generated text may run past it (`_generate`)."""
     if prompt_tokens > cfg.model.seq_len:
         raise UserError(f"the prompt ({prompt_tokens} tokens) is longer than the model's context of "
@@ -172,7 +172,7 @@ def _sample(argv: Sequence[str] | None) -> None:
         raise UserError("--prompt is not UTF-8 text")
     prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
     def check(cfg: Config) -> None:  # before any parameter is read
-        check_fits(len(prompt), args.max_new_tokens, cfg)
+        check_fits(len(prompt), cfg)
         check_host_memory(cfg, args.num_samples, len(prompt))
 
     params, cfg, step = restore_params(args.run, check=check)

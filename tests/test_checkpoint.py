@@ -133,6 +133,20 @@ def test_sigterm_saves_and_exits_preempted(reference, tmp_path):
     assert train_losses(tmp_path) == train_losses(reference)
 
 
+def _sigterm_while_finishing(monkeypatch, at_step: int) -> None:
+    """In-process runs get SIGTERM while the host reads step `at_step`'s metrics (_Loop.finish)."""
+    from jaxgpt import train as train_module
+
+    finish = train_module._Loop.finish
+
+    def finish_signalled(self, step, metrics):
+        if step == at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+        finish(self, step, metrics)
+
+    monkeypatch.setattr(train_module._Loop, "finish", finish_signalled)
+
+
 def test_sigterm_stops_after_the_newest_step_started(reference, tmp_path, capsys, monkeypatch):
     """The signal lands where the host spends each step: waiting for step 5's metrics, step 6
     already queued behind it (train.py dispatches a step before it reads the previous one). Step 6
@@ -141,14 +155,7 @@ def test_sigterm_stops_after_the_newest_step_started(reference, tmp_path, capsys
     moment is exact; the test above sends a real SIGTERM to a real process."""
     from jaxgpt import train as train_module
 
-    finish = train_module._Loop.finish
-
-    def finish_signalled(self, step, metrics):
-        if step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        finish(self, step, metrics)
-
-    monkeypatch.setattr(train_module._Loop, "finish", finish_signalled)
+    _sigterm_while_finishing(monkeypatch, 5)
     assert train_module.main(["--run-dir", str(tmp_path), *RUN]) == EXIT_PREEMPTED
     assert capsys.readouterr().err.splitlines() == _stop_lines(tmp_path, 6)
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
@@ -164,14 +171,7 @@ def test_sigterm_during_the_last_step_ends_the_run_as_finished(reference, tmp_pa
     scheduler would requeue for a run with nothing to do."""
     from jaxgpt import train as train_module
 
-    finish = train_module._Loop.finish
-
-    def finish_signalled(self, step, metrics):
-        if step == 12:
-            os.kill(os.getpid(), signal.SIGTERM)
-        finish(self, step, metrics)
-
-    monkeypatch.setattr(train_module._Loop, "finish", finish_signalled)
+    _sigterm_while_finishing(monkeypatch, 12)
     assert train_module.main(["--run-dir", str(tmp_path), *RUN]) == 0
     assert "preempted" not in capsys.readouterr().err
     assert _rows(tmp_path) == _rows(reference)
