@@ -3,7 +3,8 @@
 #
 #   ./launch_multihost.sh --local N [--devices-per-process K] [--max-restarts R] -- [train args]
 #       N processes (1-64) on this machine, CPU devices (K each, default 4), gloo collectives. For testing
-#       and for trying multi-host layouts without a cluster.
+#       and for trying multi-host layouts without a cluster. The coordinator's port is a free one, or
+#       JAXGPT_PORT; another local job on the same port is refused.
 #   ./launch_multihost.sh [--per-gpu] [--max-restarts R] -- [train args]
 #       By hand, on every host: set COORDINATOR_ADDRESS=host0:port, NUM_PROCESSES and PROCESS_ID
 #       (0 on host0) first. With --per-gpu, run it once per GPU with PROCESS_ID counting GPUs and
@@ -18,7 +19,8 @@
 # checkpoint. --local restarts its N processes; by hand, each host's launcher restarts its own
 # process and they meet again at COORDINATOR_ADDRESS; --slurm runs srun again. No restart after
 # exit 0, 2 (bad input: it would fail again), 3 (the loss diverged: it would again, from the same
-# checkpoint), 75 (stopped on request) or when the launcher itself gets SIGINT/SIGTERM. Each
+# checkpoint), 75 (stopped on request) or when the launcher itself gets SIGINT/SIGTERM (passed on:
+# the processes save at the step they agree on and exit 75, as the launcher then does). Each
 # restart is recorded in RUN_DIR/events.jsonl (`restart`) and in the run report.
 #
 # On GPU it sets the XLA and NCCL flags below unless they are already in the environment; set
@@ -37,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     --max-restarts) value "$@"; max_restarts="$2"; shift 2 ;;
     --per-gpu) per_gpu=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help); put train arguments after --" >&2; exit 2 ;;
   esac
 done
@@ -74,6 +76,17 @@ gpu_flags() {
   export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.9}"
 }
 
+claim_port() {  # claim_port PORT (0: any free one): sets `port` and holds its lock, if it is free and no other job holds that
+  local p
+  p=$("$PYTHON" -c 'import socket, sys; s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); print(s.getsockname()[1])' \
+    "$1" 2>/dev/null) || return 1
+  # held by this shell (and inherited by the processes) until the job ends; no lock where /tmp cannot take one
+  if command -v flock >/dev/null && { exec {port_lock}>>"${TMPDIR:-/tmp}/jaxgpt-port-$p.lock"; } 2>/dev/null; then
+    flock -n "$port_lock" || { exec {port_lock}>&-; return 1; }
+  fi
+  port=$p
+}
+
 describe() {  # an exit status in words
   local s=$1
   if (( s > 128 )); then echo "code $s (killed by SIG$(kill -l $((s - 128)) 2>/dev/null || echo $((s - 128))))"
@@ -82,7 +95,7 @@ describe() {  # an exit status in words
 
 # One attempt of the whole group; sets `status` (the first failure's exit code, or 0) and `reason`.
 attempt_local() {
-  local port="$1" i s done_pid watchdog=""
+  local port="$1" i p s done_pid watchdog=""
   shift
   pids=()
   for ((i = 0; i < nlocal; i++)); do
@@ -97,7 +110,13 @@ attempt_local() {
   while ((${#remaining[@]})); do
     s=0; done_pid=""
     wait -n -p done_pid "${remaining[@]}" || s=$?
-    [[ -n "$done_pid" ]] || continue  # a trapped signal interrupted the wait
+    if [[ -z "${done_pid:-}" ]]; then  # bash 5.2 unsets it when a trapped signal interrupts the wait
+      (( s == 127 )) || continue
+      # "no such job": bash reaped a process it no longer lists (two exiting at once); find it
+      for p in "${remaining[@]}"; do kill -0 "$p" 2>/dev/null || { done_pid=$p; break; }; done
+      [[ -n "$done_pid" ]] || { sleep 0.1; continue; }
+      s=0; wait "$done_pid" 2>/dev/null || s=$?  # its status, from bash's list of finished processes
+    fi
     for i in "${!pids[@]}"; do [[ "${pids[$i]}" == "$done_pid" ]] && break; done
     local left=()
     for p in "${remaining[@]}"; do [[ "$p" == "$done_pid" ]] || left+=("$p"); done
@@ -126,7 +145,7 @@ run_with_restarts() {
     export JAXGPT_RESTART_COUNT=$restart JAXGPT_MAX_RESTARTS=$max_restarts JAXGPT_RESTART_REASON="$reason"
     "attempt_$mode" "$@"
     case "$status" in 0|2|3|75) return ;; esac
-    (( stopping == 0 && restart < max_restarts )) || return
+    (( stopping == 0 && restart < max_restarts )) || return 0  # the launcher exits with `status`
     restart=$((restart + 1))
     echo "launch_multihost: $reason; restarting the group (restart $restart of $max_restarts)" >&2
   done
@@ -166,8 +185,18 @@ case "$mode" in
     [[ "$nlocal" =~ ^[1-9][0-9]{0,2}$ ]] && (( nlocal <= 64 )) ||
       fail "--local needs a process count from 1 to 64 (processes on this machine), got '$nlocal'"
     # One port for every attempt: restarted processes meet where the first ones did, as by hand.
-    # A port free now (the kernel's pick), so two local jobs on one machine never share one.
-    port="${JAXGPT_PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+    # A port free now (the kernel's pick, or JAXGPT_PORT), and locked: two jobs on one port would
+    # join each other's group (the coordinator's gRPC server listens with SO_REUSEPORT), and two
+    # launchers starting together could be handed the same free port before either listens on it.
+    if [[ -n "${JAXGPT_PORT:-}" ]]; then
+      [[ "$JAXGPT_PORT" =~ ^[1-9][0-9]{0,4}$ ]] && (( JAXGPT_PORT <= 65535 )) ||
+        fail "JAXGPT_PORT must be a port number from 1 to 65535, got '$JAXGPT_PORT'"
+      claim_port "$JAXGPT_PORT" || fail "port $JAXGPT_PORT (JAXGPT_PORT) is in use on this machine, by another job or program; choose another, or unset JAXGPT_PORT to let the launcher pick a free one"
+    else
+      port=""
+      for _ in 1 2 3 4 5 6 7 8; do claim_port 0 && break; done
+      [[ -n "$port" ]] || fail "found no free port on 127.0.0.1 for the coordinator; set JAXGPT_PORT"
+    fi
     pids=()
     trap 'stopping=1; kill "${pids[@]}" 2>/dev/null || true' INT TERM
     run_with_restarts "$port" "$@"

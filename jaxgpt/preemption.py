@@ -20,7 +20,10 @@ Several processes must stop at the same step, or they would save different steps
 process the local flag is enough. With several, JAX's coordination service delivers the
 preemption notice to every process and `multihost_utils.reached_preemption_sync_point(step)`
 returns True on all of them at the same step, the one after the highest step any process had
-checked: the same rule as one process's. jaxgpt then installs no handlers of its own.
+checked: the same rule as one process's. That notice starts from SIGTERM only (JAX's handler, in
+C++), so a Ctrl-C, which a terminal sends to every process of a `launch_multihost.sh --local` job,
+is turned into a SIGTERM to this process: the group stops as on a scheduler's notice instead of
+each process dying alone with nothing saved. A second Ctrl-C aborts, as with one process.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class StopRequest:
         self.stop_at: int | None = None  # with one process: the step a signal stops after
         self.multi_process = jax.process_count() > 1
         self._previous = {}
-        for sig in [] if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
+        for sig in [signal.SIGINT] if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
@@ -50,10 +53,15 @@ class StopRequest:
             print("\nsecond interrupt: aborting without saving", file=sys.stderr, flush=True)
             os._exit(130)
         self.signal = signum
+        lead = "\n" if sys.stderr.isatty() else ""  # off the line of a ^C or a progress bar
+        if self.multi_process:  # JAX's SIGTERM handler tells every process (module docstring)
+            print(f"{lead}received SIGINT: every process finishes the step they agree on, saves a checkpoint "
+                  f"there and exits (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if self.stop_at is None:
             self.stop_at = 0 if self.checked is None else self.checked + 1  # 0: the first step checked
         step = f"step {self.stop_at}" if self.stop_at else "the first step"
-        lead = "\n" if sys.stderr.isatty() else ""  # off the line of a ^C or a progress bar
         print(f"{lead}received {signal.Signals(signum).name}: finishing {step}, saving a checkpoint there and "
               f"exiting (Ctrl-C again to abort)", file=sys.stderr, flush=True)
 

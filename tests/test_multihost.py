@@ -177,6 +177,31 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert (tmp_path / "checkpoints" / str(steps.pop()) / "commit_success.txt").exists()
 
 
+def test_ctrl_c_to_a_local_job_saves_one_step_and_exits_75(tmp_path):
+    """A terminal's Ctrl-C reaches the launcher and every process: all stop at one step, save it and
+    exit 75, and so does the launcher (it used to die of an unset variable, and the processes with
+    nothing saved). While it runs, a second job on its port is refused in one line."""
+    command, env = _launcher(tmp_path, "train.steps=100000", "checkpoint.every=0")
+    log = tmp_path / "launcher.err"
+    with log.open("w") as err:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
+        deadline = time.monotonic() + 120
+        while len(_metrics(tmp_path)) < 4:
+            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        second = subprocess.run(["bash", "launch_multihost.sh", "--local", "2", "--", "--run-dir", str(tmp_path / "b")],
+                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        os.killpg(launcher.pid, signal.SIGINT)
+        assert launcher.wait(timeout=120) == EXIT_PREEMPTED, log.read_text()[-3000:]
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"error: port {env['JAXGPT_PORT']} (JAXGPT_PORT) is in use on this machine" in second.stderr
+    stderr = log.read_text()
+    steps = {int(line.split("stopped at step ")[1].split(";")[0]) for line in stderr.splitlines() if "stopped at step" in line}
+    assert stderr.count("preempted: stopped at step") == 2 and len(steps) == 1, stderr[-3000:]
+    assert (tmp_path / "checkpoints" / str(steps.pop()) / "commit_success.txt").exists()
+
+
 def test_a_dead_process_stops_the_other_within_the_heartbeat_bound(tmp_path):
     procs = _start_two(tmp_path)
     procs[1].send_signal(signal.SIGKILL)
