@@ -31,9 +31,12 @@ naming every step and why rather than silently starting over. A checkpoint whose
 differ from the current config is an error that names the config keys that changed
 (`model.n_embd 32 -> 64`, `model.moe_experts 8 -> 4`, read from the checkpoint's config item), or
 lists the arrays that differ where no key explains them: that is a wrong command, not damage.
-Other MoE routing (`moe_top_k`, `moe_capacity_factor`) fits the same arrays and is legitimate,
-so a resume accepts it with one warning line naming the change (`warn_config_changes`), as it does
-other data once the saved run had read some (the saved position then counts another stream).
+So is a model change that keeps the shapes (`model.mlp` gelu -> relu2, `model.logit_softcap`):
+refused the same way once the step is read. Other MoE routing (`moe_top_k`,
+`moe_capacity_factor`) fits the same arrays and is legitimate, so a resume accepts it with one
+warning line naming the change (`check_config_changes`), as it does another learning-rate schedule
+(a longer `train.steps`) and other data once the saved run had read some (the saved position then
+counts another stream).
 
 Damaged steps are set aside, not left in the way. When a training run resumes from step S and
 skipped newer damaged steps, each is moved to `checkpoints/damaged/STEP-<UTC time>` (said in its
@@ -64,6 +67,7 @@ it, and the others wait for the move before going on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -82,6 +86,7 @@ from jax.experimental import multihost_utils
 from jaxgpt import files
 from jaxgpt.config import CheckpointConfig, Config
 from jaxgpt.errors import UserError
+from jaxgpt.optim import lr_schedule
 from jaxgpt.step import TrainState
 
 COMMIT_MARKER = "commit_success.txt"
@@ -98,8 +103,13 @@ if hasattr(_arrays, "_min_slice_bytes_for_replica_parallel"):
 SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.mlp", "model.mlp_hidden",
               "model.seq_len", "model.vocab_size", "model.position", "model.norm", "model.norm_scale", "model.bias",
               "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every", "optimizer.name")
+# Keys that change what the same parameters compute: refused on resume even where the shapes agree
+# (gelu -> relu2, layernorm without bias -> rmsnorm), or the run would go on as another model.
+MODEL_KEYS = (*SHAPE_KEYS, "model.rope_theta", "model.logit_softcap")
 # MoE keys that change the routing of the same parameters: a resume may change them, and says so.
 ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor")
+# What the learning rate at a step depends on: a resume may change them (a longer run), and says so.
+SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
 DATA_KEYS = ("data.path", "data.mix", "train.batch_size", "model.seq_len", "train.seed")  # what the data position means
 
 
@@ -136,6 +146,18 @@ def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
     return [f"{k} {value(was, k)} -> {value(now, k)}" for k in keys
             if _ABSENT not in (value(was, k), value(now, k)) and value(was, k) != value(now, k)
             and (k != "model.moe_every" or moe)]
+
+
+def _next_rates(stored: dict, config: Config, step: int) -> tuple[float, float] | None:
+    """(the learning rate the saved run's schedule gives the step after `step`, this run's), or None
+    where they agree (a constant rate) or the saved config's values are not numbers."""
+    try:
+        keys = {k.split(".")[1]: stored[k.split(".")[0]][k.split(".")[1]] for k in SCHEDULE_KEYS[1:]}
+        was = lr_schedule(dataclasses.replace(config.optimizer, **keys), int(stored["train"]["steps"]))(step)
+    except (KeyError, TypeError, ValueError):
+        return None
+    now = lr_schedule(config.optimizer, config.train.steps)(step)  # optax's count is the steps done
+    return None if np.isclose(was, now, rtol=1e-6, atol=0) else (float(was), float(now))
 
 
 def _shape_mismatches(abstract: TrainState, stored: Any) -> list[str]:
@@ -227,21 +249,32 @@ class Checkpointer:
                 _warn(f"skipping checkpoint {path}: {reason}")
         return restored
 
-    def warn_config_changes(self, step: int, config: Config, data_state: dict) -> None:
-        """One warning line if this run routes its MoE tokens otherwise than checkpoint `step` did,
-        and one if it reads other data (path, mix, batch, context or shuffle seed) than the run
-        that saved it, once that run had read any: allowed (a data switch mid-run is legitimate),
-        but the saved data position then counts records of a different stream. A data.path that
-        names the same directory otherwise (relative, absolute) is no change, nor is data.path
-        where both runs read a data.mix (the mix replaces it)."""
+    def check_config_changes(self, step: int, config: Config, data_state: dict) -> None:
+        """Compares this run's config with the one checkpoint `step` was saved with. A change of the
+        model (MODEL_KEYS) is a UserError: the parameters fit, but they were trained as another
+        model. Allowed, with one warning line each: other MoE routing; another learning-rate
+        schedule (a longer run: its cosine now spans the new train.steps, so the rate moves from the
+        next step on); other data (path, mix, batch, context or shuffle seed) once the saved run had
+        read any (a data switch mid-run is legitimate, but the saved data position then counts
+        records of a different stream). A data.path that names the same directory otherwise
+        (relative, absolute) is no change, nor is data.path where both runs read a data.mix (the
+        mix replaces it)."""
         stored = self.stored_config(step)
         if not stored:
             return
         now = config.to_dict()
+        if changed := _changed(stored, now, MODEL_KEYS):
+            raise UserError(f"checkpoint {self.step_path(step)} was trained as another model: {', '.join(changed)} "
+                            f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
+                            f"from it with checkpoint.init_from={self.directory.parent}")
         changed = _changed(stored, now, ROUTING_KEYS) if config.model.moe_experts else []
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
+        if step < config.train.steps and (changed := _changed(stored, now, SCHEDULE_KEYS)) and \
+                (rates := _next_rates(stored, config, step)):
+            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the learning-rate "
+                  f"schedule is recomputed; step {step + 1} trains at {rates[1]:.3g}, not {rates[0]:.3g}")
         if not data_state.get("next_index"):  # nothing read yet (a fresh or imported run): no stream to continue
             return
         was_data, now_data = stored.get("data", {}), now["data"]

@@ -41,6 +41,7 @@ if __name__ == "__main__":  # first: the process re-executes itself before impor
     _cli.exit_on_ctrl_c()  # until training's own handlers (jaxgpt/preemption.py)
 
 import argparse  # noqa: E402 (the re-exec above comes first)
+import contextlib
 import json
 import math
 import sys
@@ -95,8 +96,8 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer,
     the checkpoint this run resumed from or None). abstract: the state's shapes and shardings."""
     restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
     if restored is not None:
+        ckpt.check_config_changes(restored.step, cfg, restored.data_state)  # another model: refused; schedule, data: said
         _say(f"resuming from step {restored.step} ({restored.path})")
-        ckpt.warn_config_changes(restored.step, cfg, restored.data_state)  # MoE routing, other data: said
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
@@ -115,6 +116,15 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer,
         fresh = init_state(cfg, setup)
         return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None, None
     return init_state(cfg, setup), None, None
+
+
+@contextlib.contextmanager
+def _naming(what: str):
+    """A UserError inside (too few tokens for one window) says which data it is about."""
+    try:
+        yield
+    except UserError as e:
+        raise UserError(f"{what}: {e}") from None
 
 
 def _say(message: str) -> None:
@@ -166,11 +176,14 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     batch_sharding = named(mesh, ("batch", None))
     global_shape = (t.batch_size, m.seq_len + 1)
     block, blocks = distributed.data_block(batch_sharding, global_shape)  # this process's rows of each batch
-    batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
-                                  process_index=block, process_count=blocks,
-                                  prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
-    val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
-                                    num_batches=t.eval_batches, process_index=block, process_count=blocks)
+    source = cfg.data.mix or cfg.data.path
+    with _naming(f"the train split of {source}"):
+        batches = data.train_iterator(train_tokens, seq_len=m.seq_len, global_batch=t.batch_size, seed=t.seed,
+                                      process_index=block, process_count=blocks,
+                                      prefetch=cfg.data.prefetch, num_threads=cfg.data.num_threads)
+    with _naming(f"the val split of {source}"):
+        val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
+                                        num_batches=t.eval_batches, process_index=block, process_count=blocks)
 
     def to_global(local_BT1: np.ndarray) -> jax.Array:
         return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
@@ -200,7 +213,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                 run_dir.mkdir(parents=True, exist_ok=True)
                 for own in ("config.yaml", "metrics.jsonl"):  # this job's (the run dir is locked)
                     files.remove_leftovers(run_dir / own)
-                files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+                if start < cfg.train.steps:  # a finished run keeps the config that trained it
+                    files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
                 integrity.remember(verified)  # the shard verdicts, for the next session
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())

@@ -416,8 +416,24 @@ def test_resuming_on_other_data_says_so(three_checkpoints):
                    "train.seed=7", "train.batch_size=32", "--mesh", "dp=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
-    assert len(warnings) == 1 and "train.batch_size 16 -> 32, train.seed 0 -> 7" in warnings[0], proc.stderr[-3000:]
-    assert "not the same stream" in warnings[0]
+    assert len(warnings) == 2 and "train.batch_size 16 -> 32, train.seed 0 -> 7" in warnings[1], proc.stderr[-3000:]
+    assert "not the same stream" in warnings[1]
+    # the longer run recomputes the cosine: said with the rate step 7 trains at, and the old one
+    assert warnings[0].startswith(f"warning: train.steps 6 -> 8 (checkpoint {three_checkpoints / 'checkpoints' / '6'} "
+                                  f"-> this run): the learning-rate schedule is recomputed; step 7 trains at "), warnings[0]
+
+
+def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints):
+    """gelu -> relu2 or a logit soft cap fit the saved arrays, but the resumed run would train
+    another model: refused in one line naming the keys, before config.yaml is rewritten."""
+    config = (three_checkpoints / "config.yaml").read_text()
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "model.mlp=relu2",
+                   "model.logit_softcap=15", "--mesh", "dp=8")
+    assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, (
+        f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} was trained as another model: model.mlp gelu -> "
+        f"relu2, model.logit_softcap 0.0 -> 15.0 (checkpoint -> this run); resume with the checkpoint's values, or "
+        f"start a new run dir from it with checkpoint.init_from={three_checkpoints}\n"))
+    assert (three_checkpoints / "config.yaml").read_text() == config
 
 
 def test_a_checkpoint_directory_that_became_read_only_stops_the_save_with_one_line(tmp_path, monkeypatch):
