@@ -60,6 +60,9 @@ def test_every_input_format_gives_the_same_shards(tmp_path):
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     pq.write_table(pa.table({"text": docs[:150]}), tmp_path / "p-0.parquet", row_group_size=64)
     pq.write_table(pa.table({"text": docs[150:]}), tmp_path / "p-1.parquet", row_group_size=64)
+    for suffix, compress in ((".gz", gzip.compress), (".zst", zstandard.ZstdCompressor().compress)):
+        (tmp_path / f"dir{suffix}").mkdir()  # text compressed (was read as raw bytes)
+        (tmp_path / f"dir{suffix}" / f"corpus.txt{suffix}").write_bytes(compress(text.read_bytes()))
 
     kw = dict(shard_tokens=4_000, workers=1, progress="lines")
     outs = {
@@ -69,6 +72,8 @@ def test_every_input_format_gives_the_same_shards(tmp_path):
         "jsonl.gz": prepare_corpus([tmp_path / "c.jsonl.gz"], tmp_path / "o-gz", **kw),
         "jsonl.zst": prepare_corpus([tmp_path / "c.jsonl.zst"], tmp_path / "o-zst", **kw),
         "parquet (a glob, two files)": prepare_corpus([str(tmp_path / "p-*.parquet")], tmp_path / "o-pq", **kw),
+        "text.gz": prepare_corpus([tmp_path / "dir.gz"], tmp_path / "o-txt-gz", separator="\n\n", **kw),
+        "text.zst": prepare_corpus([tmp_path / "dir.zst"], tmp_path / "o-txt-zst", separator="\n\n", **kw),
     }
     shards = {name: meta["shards"] for name, meta in outs.items()}
     assert all(s == shards["jsonl"] for s in shards.values()), shards
@@ -93,6 +98,17 @@ def test_long_documents_are_cut_where_tokens_do_not_change(tmp_path, monkeypatch
     assert len(pieces) > 300 and "".join(p for p, _ in pieces) == text
     assert [first for _, first in pieces] == [True] + [False] * (len(pieces) - 1)
     assert sum((enc.encode_ordinary(p) for p, _ in pieces), []) == enc.encode_ordinary(text)
+    # Without line breaks (minified JSON, base64) the cuts fall where a letter or digit run ends.
+    blob = json.dumps([{f"key{i}": [i, i * 2.5, f"v{i:x}"]} for i in range(2_000)], separators=(",", ":"))
+    pieces = [p for p, _ in readers.split_document(blob, max_chars=3_000)]
+    assert len(pieces) > 15 and max(map(len, pieces)) <= 3_000 and "".join(pieces) == blob
+    assert sum(map(enc.encode_ordinary, pieces), []) == enc.encode_ordinary(blob)
+    rng = np.random.default_rng(0)  # and in any mix of classes: letters, digits, punctuation, contractions, Unicode
+    alphabet = list("abcXYZ019_-'\"{}[]:,.!?/+= \t\x00\x1f") + ["\u00e9", "\u65e5", "'s", "'ll"]
+    for _ in range(40):
+        text_ = "".join(rng.choice(alphabet, size=int(rng.integers(500, 5_000))))
+        pieces = [p for p, _ in readers.split_document(text_, max_chars=int(rng.integers(20, 300)))]
+        assert "".join(pieces) == text_ and sum(map(enc.encode_ordinary, pieces), []) == enc.encode_ordinary(text_)
     # The workers' encoder is encode_ordinary: text spelling <|endoftext|> is not the EOT token.
     tricky = ["a <|endoftext|> b", "", "x" * 5]
     data_bytes, lengths, _ = encode_task(tricky)
@@ -307,6 +323,11 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
         unreadable.write_bytes(b"not gzip at all")
     checks.append(((unreadable,), f"Cannot read {unreadable}"))
     checks.append(((tmp_path / "missing*.jsonl",), "matches no files"))
+    damaged = bytearray(gzip.compress(b'{"text": "a line"}\n' * 2_000))
+    damaged[15] ^= 0xFF  # a zlib.error, not an OSError: was a traceback
+    (tmp_path / "damaged.jsonl.gz").write_bytes(bytes(damaged))
+    checks.append(((tmp_path / "damaged.jsonl.gz",), f"Cannot read {tmp_path / 'damaged.jsonl.gz'}: Error -3 while "
+                                                      f"decompressing data"))
     checks.append((("/dev/zero",), "Input /dev/zero is not a regular file or a directory"))  # never ends
     surrogate = tmp_path / "surrogate.jsonl"  # JSON's \ud800 escape alone: a traceback from the tokenizer's encode
     surrogate.write_text('{"text": "a\\ud800b"}\n{"text": "fine"}\n')

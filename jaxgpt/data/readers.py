@@ -2,9 +2,9 @@
 
 Inputs are files, directories (searched recursively) and globs, each expanded in sorted order.
 The format follows the name: `.parquet` is Parquet (a string column), `.jsonl`, `.ndjson` and
-`.json` are JSON Lines (one object per line with a string field), optionally compressed as
-`.gz` or `.zst`; anything else is UTF-8 text, one document per file or several documents split
-on a separator string. Text is read with universal newlines ("\\r\\n" and "\\r" become "\\n"),
+`.json` are JSON Lines (one object per line with a string field); anything else is UTF-8 text,
+one document per file or several documents split on a separator string. JSON Lines and text may
+be compressed as `.gz` or `.zst` (`a.jsonl.zst`, `b.txt.gz`). Text is read with universal newlines ("\\r\\n" and "\\r" become "\\n"),
 and a UTF-8 byte-order mark at the start of a text or JSON Lines file is dropped. Compressed
 streams are read to their end marker: zstandard's stream reader ends quietly inside a cut-off
 frame, so `.zst` files are decoded frame by frame (`_ZstdStream`) and a cut is an error. With
@@ -18,18 +18,25 @@ right after a "\\n" that follows a non-space character and precedes one. There t
 pre-tokenizer always ends a pre-token (the "\\n" alone, matched by `\\s`), and BPE never merges
 across pre-tokens, so encoding the pieces separately gives exactly the tokens of the whole.
 (Python's `\\s` covers every Unicode White_Space character, so the test is never looser than
-tiktoken's.) A text without such a point (no line breaks at all) stays one piece.
+tiktoken's.) A text without line breaks there (minified JSON, base64, one-line logs) is cut where
+an ASCII letter or digit meets an ASCII character of another class, not a space (`"key":` between
+`y` and `"`): the pre-tokenizer's letter and number patterns end there, none looks behind, and the
+next pre-token starts at the cut whatever preceded it (`class_cut`). A text with neither (one run
+of letters, say) stays one piece.
 
 `Reader.pieces(i, skip)` starts file i after its first `skip` pieces: that is how an
 interrupted preparation resumes (the file is read again from its start, but not tokenized).
 """
 
+import contextlib
 import glob
 import gzip
 import io
 import json
 import os
+import re
 import sys
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -96,7 +103,9 @@ def find_inputs(inputs: Sequence[str | Path], exclude: Path | None = None) -> li
 
 
 def _walk(top: Path) -> Iterator[Path]:
-    """The visible files under `top`, following directory links, each real directory once."""
+    """The visible files under `top`, following directory links, each real directory once; a
+    visible entry that is no regular file (a FIFO, a socket, a link to nothing) is skipped with
+    one warning line."""
     visited = set()
     for root, dirs, names in os.walk(top, followlinks=True):
         real = os.path.realpath(root)
@@ -106,8 +115,13 @@ def _walk(top: Path) -> Iterator[Path]:
         visited.add(real)
         for name in names:
             p = Path(root) / name
-            if not name.startswith(".") and p.is_file():
+            if name.startswith("."):
+                continue
+            if p.is_file():
                 yield p
+            else:
+                what = "a link to nothing" if p.is_symlink() and not p.exists() else "not a regular file"
+                print(f"warning: skipping {p}: {what}", file=sys.stderr, flush=True)
 
 
 def kind(path: Path) -> str:
@@ -135,11 +149,34 @@ def safe_cut(text: str, lo: int, hi: int) -> int:
     return -1
 
 
+# A run of ASCII letters ends and another class follows, or a run of digits does: a pre-token
+# boundary of tiktoken's GPT-2 pattern ('s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+).
+_CLASS_CHANGE = re.compile(r"(?<=[A-Za-z])(?=[0-9!-/:-@\[-`{-~])|(?<=[0-9])(?=[A-Za-z!-/:-@\[-`{-~])")
+CLASS_CUT_WINDOW = 1 << 16  # characters searched back from the limit
+
+
+def class_cut(text: str, lo: int, hi: int) -> int:
+    """The last position p in (lo, hi], at most CLASS_CUT_WINDOW before hi, where the tokens of
+    text[:p] and text[p:] are those of text because a letter or digit run ends there (module
+    docstring), or -1."""
+    hi = min(hi, len(text) - 1)
+    last = -1
+    for m in _CLASS_CHANGE.finditer(text, max(lo, hi - CLASS_CUT_WINDOW), hi + 1):
+        last = m.start()
+    return last if last > lo else -1
+
+
+def cut_point(text: str, lo: int, hi: int) -> int:
+    """A safe cut in (lo, hi]: after a line break where there is one, else at a class change; or -1."""
+    p = safe_cut(text, lo, hi)
+    return p if p >= 0 else class_cut(text, lo, hi)
+
+
 def split_document(text: str, max_chars: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, bool]]:
     """One document's pieces (see the module docstring); nothing for an empty document."""
     start, first = 0, True
     while len(text) - start > max_chars:
-        p = safe_cut(text, start, start + max_chars)
+        p = cut_point(text, start, start + max_chars)
         if p < 0:
             p = safe_cut(text, start + max_chars, len(text))  # a longer piece, but still a safe one
         if p < 0:
@@ -199,19 +236,12 @@ class Reader:
 
     def _lines(self, path: Path) -> Iterator[tuple[int, bytes]]:
         raw, f = self._open(path)
-        with raw:
-            try:
-                for lineno, line in enumerate(io.BufferedReader(f, 1 << 20) if f is not raw else f, 1):
-                    self.file_bytes_read = raw.tell()
-                    if lineno == 1 and line.startswith(BOM):  # Notepad's UTF-8 signature
-                        line = line[len(BOM):]
-                    yield lineno, line
-            except (EOFError, Truncated) as e:  # a stream cut short, whatever --skip-bad-lines says
-                kind = "zstd" if isinstance(e, Truncated) else "gzip"
-                raise UserError(f"{path} is cut short: its {kind} stream ends before its end marker "
-                                "(an interrupted download or copy?); fetch the file again.") from None
-            except (OSError, zstandard.ZstdError) as e:  # gzip.BadGzipFile is an OSError
-                raise UserError(f"Cannot read {path}: {e} (a damaged or wrongly named file?).") from None
+        with raw, _stream_errors(path):
+            for lineno, line in enumerate(io.BufferedReader(f, 1 << 20) if f is not raw else f, 1):
+                self.file_bytes_read = raw.tell()
+                if lineno == 1 and line.startswith(BOM):  # Notepad's UTF-8 signature
+                    line = line[len(BOM):]
+                yield lineno, line
 
     def _bad(self, path: Path, lineno: int, why: str) -> None:
         if not self.skip_bad_lines:
@@ -288,17 +318,16 @@ class Reader:
 
     def _chunks(self, path: Path) -> Iterator[str]:
         """The decoded text in chunks of _READ_CHARS characters, then "" at the end."""
-        try:
-            f = open(path, encoding="utf-8-sig", newline=None)  # a leading BOM is not text
-        except OSError as e:
-            raise UserError(f"Cannot read {path}: {e.strerror}.") from None
-        with f:
+        raw, f = self._open(path)
+        text = io.TextIOWrapper(f if f is raw else io.BufferedReader(f, 1 << 20), encoding="utf-8-sig",
+                                newline=None)  # a leading BOM is not text
+        with raw, _stream_errors(path):
             while True:
                 try:
-                    chunk = f.read(_READ_CHARS)
+                    chunk = text.read(_READ_CHARS)
                 except UnicodeDecodeError as e:
                     raise UserError(f"{path} is not valid UTF-8 ({e.reason}); convert it to UTF-8.") from None
-                self.file_bytes_read = f.buffer.tell()
+                self.file_bytes_read = raw.tell()
                 yield chunk
                 if not chunk:
                     return
@@ -334,7 +363,7 @@ class Reader:
             # A long document: emit its head where it is safe, keeping a possible separator whole.
             limit = len(buf) - (len(sep) - 1 if sep else 0)
             while limit > self.max_chars:
-                p = safe_cut(buf, 0, self.max_chars)
+                p = cut_point(buf, 0, self.max_chars)
                 if p < 0:
                     p = safe_cut(buf, 0, limit)  # a longer piece, but still a safe one
                 if p < 0:
@@ -345,6 +374,19 @@ class Reader:
 
 
 _CUT = object()
+
+
+@contextlib.contextmanager
+def _stream_errors(path: Path):
+    """A compressed stream cut short or damaged, or a file that cannot be read: one UserError."""
+    try:
+        yield
+    except (EOFError, Truncated) as e:  # a stream cut short, whatever --skip-bad-lines says
+        kind = "zstd" if isinstance(e, Truncated) else "gzip"
+        raise UserError(f"{path} is cut short: its {kind} stream ends before its end marker "
+                        "(an interrupted download or copy?); fetch the file again.") from None
+    except (OSError, zlib.error, zstandard.ZstdError) as e:  # gzip.BadGzipFile is an OSError
+        raise UserError(f"Cannot read {path}: {e} (a damaged or wrongly named file?).") from None
 
 
 def _continue(pieces: Iterator[tuple[str, bool]], first: bool) -> Iterator[tuple[str, bool]]:
