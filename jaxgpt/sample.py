@@ -37,7 +37,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.model import KVCache, compute_dtype
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup
-from jaxgpt.tokenizer import EOT_TEXT, gpt2_encoding
+from jaxgpt.tokenizer import EOT_TEXT, check_ids_fit, gpt2_encoding
 
 
 MAX_TEMPERATURE = 1e30
@@ -81,11 +81,13 @@ def check_fits(prompt_tokens: int, cfg: Config) -> None:
                         f"{cfg.model.seq_len} tokens; shorten it")
 
 
-def check_host_memory(cfg: Config, num_samples: int, prompt_tokens: int) -> None:
-    """On a CPU, one line before anything is read instead of the kernel's OOM killer part-way: the
+def check_host_memory(cfg: Config, num_samples: int) -> None:
+    """On a CPU, one line before anything is read instead of the kernel's OOM killer part-way. The
     parameters (fp32, as restored), the KV cache ([L, B, seq_len, G, K] keys and values) and the
-    prompt's fp32 logits ([B, prompt, V]) are held at once, a lower bound of what sampling needs, so
-    a refusal is never wrong. A GPU's out-of-memory is XLA's RESOURCE_EXHAUSTED, one line from run_main."""
+    next token's fp32 logits ([B, V]; a prefill computes only the last position's) are held at
+    once, and XLA's temporaries around the cache and the logits (the prefill's empty cache, the
+    sampling filters' copies of [B, V]) measured 1.5 times as much again on CPU (docs/benchmarks.md):
+    so 2.5 x (cache + logits). A GPU's out-of-memory is XLA's RESOURCE_EXHAUSTED, one line from run_main."""
     from jaxgpt.model import param_count
     from jaxgpt.plan import GIB, host_memory_available
 
@@ -94,12 +96,16 @@ def check_host_memory(cfg: Config, num_samples: int, prompt_tokens: int) -> None
     m = cfg.model
     params = 4 * param_count(m)
     cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(compute_dtype(m.dtype)).itemsize
-    logits = 4 * num_samples * prompt_tokens * m.padded_vocab
-    if params + cache + logits > available:
-        raise UserError(f"sampling needs at least {(params + cache + logits) / GIB:.1f} GiB of host memory (parameters "
-                        f"{params / GIB:.1f} GiB, KV cache {cache / GIB:.1f} GiB, the prompt's logits "
-                        f"{logits / GIB:.1f} GiB), but {available / GIB:.1f} GiB is available; use fewer "
-                        f"--num-samples, a shorter prompt or a machine with more memory")
+    logits = 4 * num_samples * m.padded_vocab
+    need = params + SAMPLING_TEMPORARIES * (cache + logits)
+    if need > available:
+        raise UserError(f"sampling needs about {need / GIB:.1f} GiB of host memory (parameters {params / GIB:.1f} GiB, "
+                        f"KV cache {cache / GIB:.1f} GiB and the next token's logits {logits / GIB:.1f} GiB, "
+                        f"{SAMPLING_TEMPORARIES} times with XLA's temporaries), but {available / GIB:.1f} GiB is "
+                        f"available; use fewer --num-samples or a machine with more memory")
+
+
+SAMPLING_TEMPORARIES = 2.5  # peak host memory / (KV cache + logits), measured for 500-4,000 samples
 
 
 def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
@@ -173,7 +179,8 @@ def _sample(argv: Sequence[str] | None) -> None:
     prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
     def check(cfg: Config) -> None:  # before any parameter is read
         check_fits(len(prompt), cfg)
-        check_host_memory(cfg, args.num_samples, len(prompt))
+        check_ids_fit(max(prompt), cfg.model.vocab_size, "the prompt")
+        check_host_memory(cfg, args.num_samples)
 
     params, cfg, step = restore_params(args.run, check=check)
     if args.mesh:

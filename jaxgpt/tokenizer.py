@@ -19,6 +19,8 @@ import numpy as np
 import tiktoken
 import tiktoken.load
 
+from jaxgpt.errors import UserError
+
 TOKENIZER_NAME = "gpt2"
 EOT_ID = 50256
 EOT_TEXT = "<|endoftext|>"  # its text: GPT-2's bos, eos and document separator
@@ -66,3 +68,12 @@ def token_bytes(size: int = N_VOCAB) -> np.ndarray:
         if rank < size:
             table[rank] = len(token)
     return table
+
+
+def check_ids_fit(largest_id: int, vocab_size: int, what: str) -> None:
+    """UserError if GPT-2 token ids up to `largest_id` do not fit a model of `vocab_size` tokens (an
+    imported model with its own, smaller vocabulary): its embedding lookup would clamp them silently."""
+    if largest_id >= vocab_size:
+        raise UserError(f"{what} holds GPT-2 token id {largest_id}, past this model's vocabulary of {vocab_size} "
+                        f"tokens (model.vocab_size): jaxgpt tokenizes with GPT-2's {N_VOCAB}-token BPE, which this "
+                        f"model was not made for")

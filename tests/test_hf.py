@@ -288,6 +288,28 @@ def test_import_makes_a_run_that_samples_exports_and_trains(model, tmp_path, cap
     assert int(state.step) == 1 and [r["step"] for r in read_metrics(run) if "loss" in r] == [1]
 
 
+def test_a_model_with_a_smaller_vocabulary_is_refused_gpt2_ids(tmp_path, capsys):
+    """An imported model with its own 1,000-token vocabulary: a prompt's GPT-2 ids past it are refused
+    in one line (its embedding lookup clamped them: garbage, exit 0); an export says its GPT-2
+    tokenizer files do not fit it."""
+    from jaxgpt import hf, sample
+
+    cfg = tiny_config("model.vocab_size=1000")
+    params = nnx.to_pure_dict(nnx.split(GPT(cfg.model, nnx.Rngs(0)), nnx.Param)[1])
+    source = tmp_path / "gpt2"
+    source.mkdir()
+    save_file(to_hf(params, cfg.model), source / WEIGHTS)
+    (source / CONFIG).write_text(json.dumps(hf_config(cfg.model)))
+    assert hf.main(["import", str(source), str(tmp_path / "run"), "model.loss_chunk=8"]) == 0
+    assert "has a vocabulary of 1000 tokens, not GPT-2's 50257" in capsys.readouterr().err
+    assert sample.main([str(tmp_path / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "4"]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err == (
+        "error: the prompt holds GPT-2 token id 33676, past this model's vocabulary of 1000 tokens (model.vocab_size): "
+        "jaxgpt tokenizes with GPT-2's 50257-token BPE, which this model was not made for\n")
+    assert export(tmp_path / "run", tmp_path / "out") == 0
+    assert "warning: the model's vocabulary is 1000 tokens, smaller than GPT-2's 50257" in capsys.readouterr().err
+
+
 # --- Llama (jaxgpt/hf/llama.py) ------------------------------------------------------------------
 
 LLAMA = ["model.n_embd=64", "model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.mlp_hidden=96",

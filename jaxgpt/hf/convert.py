@@ -180,6 +180,10 @@ def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
                         f"earlier export")  # a run dir, or someone's config.json next to their notes
     params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
     fmt = _format_for(cfg)
+    if cfg.model.vocab_size < N_VOCAB:  # an imported model with its own vocabulary
+        print(f"warning: the model's vocabulary is {cfg.model.vocab_size} tokens, smaller than GPT-2's {N_VOCAB}: the "
+              f"GPT-2 tokenizer files written beside it produce ids it does not have (its <|endoftext|> among them)",
+              file=sys.stderr, flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     for left in out_dir.glob(f"{_STAGING}*"):  # a killed export's
         shutil.rmtree(left, ignore_errors=True)

@@ -103,7 +103,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, dtype: jnp.dtype = jnp.float32, cache: KVCache | None = None,
                  features_only: bool = False, with_moe_stats: bool = False):
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
-        With a cache (sampling), the tokens sit at positions cache.pos.. and (logits, cache) returns.
+        With a cache (sampling), the tokens sit at positions cache.pos.. and (the last position's
+        logits [B, 1, V], cache) returns: a prefill never holds [B, T, V].
         `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
         (jaxgpt/model/loss.py), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
         models): (output, MoEStats averaged over the MoE blocks)."""
@@ -118,7 +119,7 @@ class GPT(nnx.Module):
                     return block(x_BTD, kv, cache.pos)
 
                 x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
-            return self._logits(x_BTD, dtype), KVCache(kv.k, kv.v, cache.pos + T)
+            return self._logits(x_BTD[:, -1:], dtype), KVCache(kv.k, kv.v, cache.pos + T)
 
         x_BTD, stats = self.run_blocks(x_BTD)
         out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
