@@ -77,9 +77,21 @@ gpu_flags() {
 }
 
 claim_port() {  # claim_port PORT (0: any free one): sets `port` and holds its lock, if it is free and no other job holds that
-  local p
-  p=$("$PYTHON" -c 'import socket, sys; s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); print(s.getsockname()[1])' \
-    "$1" 2>/dev/null) || return 1
+  local p rc=0
+  # SO_REUSEADDR: a port whose last job's connections linger in TIME_WAIT is free (the coordinator
+  # binds it so); a listener still makes it EADDRINUSE (exit 1 here); any other failure is said (exit 2)
+  p=$("$PYTHON" -c '
+import errno, socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError as e:
+    if e.errno == errno.EADDRINUSE:
+        sys.exit(1)
+    sys.exit(f"error: cannot use port {sys.argv[1]} on 127.0.0.1 for the coordinator: {e.strerror}")
+print(s.getsockname()[1])' "$1") || rc=$?
+  (( rc == 0 )) || { (( rc == 1 )) && return 1; exit 2; }
   # held by this shell (and inherited by the processes) until the job ends; no lock where /tmp cannot take one
   if command -v flock >/dev/null && { exec {port_lock}>>"${TMPDIR:-/tmp}/jaxgpt-port-$p.lock"; } 2>/dev/null; then
     flock -n "$port_lock" || { exec {port_lock}>&-; return 1; }

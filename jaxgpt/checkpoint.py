@@ -84,7 +84,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxgpt import files
-from jaxgpt.config import CheckpointConfig, Config
+from jaxgpt.config import CheckpointConfig, Config, from_dict
 from jaxgpt.errors import UserError
 from jaxgpt.optim import lr_schedule
 from jaxgpt.step import TrainState
@@ -103,9 +103,6 @@ if hasattr(_arrays, "_min_slice_bytes_for_replica_parallel"):
 SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.mlp", "model.mlp_hidden",
               "model.seq_len", "model.vocab_size", "model.position", "model.norm", "model.norm_scale", "model.bias",
               "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every", "optimizer.name")
-# Keys that change what the same parameters compute: refused on resume even where the shapes agree
-# (gelu -> relu2, layernorm without bias -> rmsnorm), or the run would go on as another model.
-MODEL_KEYS = (*SHAPE_KEYS, "model.rope_theta", "model.logit_softcap")
 # MoE keys that change the routing of the same parameters: a resume may change them, and says so.
 ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor")
 # What the learning rate at a step depends on: a resume may change them (a longer run), and says so.
@@ -148,9 +145,33 @@ def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
             and (k != "model.moe_every" or moe)]
 
 
+def _model_changes(stored: dict, config: Config) -> list[str]:
+    """`model.KEY OLD -> NEW` for what makes the same parameters compute another function: the
+    architecture keys compared by their effective values (n_kv_head 0 is n_head, mlp_hidden 0 is
+    4 x n_embd), rope_theta where both use RoPE, the logit soft cap. seq_len is none of them: with
+    learned positions it changes wpe's shape (a shape error), with RoPE it extends the context."""
+    try:
+        was = from_dict(stored, "the checkpoint's config")
+    except UserError:
+        return []
+    def identity(c: Config) -> dict[str, Any]:
+        m = c.model
+        out = {"n_layer": m.n_layer, "n_head": m.n_head, "n_kv_head": m.kv_heads, "n_embd": m.n_embd,
+               "mlp": m.mlp, "mlp_hidden": m.mlp_width, "vocab_size": m.vocab_size, "position": m.position,
+               "norm": m.norm, "norm_scale": m.norm_scale, "bias": m.bias, "qk_norm": m.qk_norm,
+               "tie_embeddings": m.tie_embeddings, "moe_experts": m.moe_experts, "logit_softcap": m.logit_softcap}
+        if m.moe_experts:
+            out["moe_every"] = m.moe_every
+        if m.position == "rope":
+            out["rope_theta"] = m.rope_theta
+        return out
+    a, b = identity(was), identity(config)
+    return [f"model.{k} {a[k]} -> {b[k]}" for k in a if k in b and a[k] != b[k]]
+
+
 def _next_rates(stored: dict, config: Config, step: int) -> tuple[float, float] | None:
     """(the learning rate the saved run's schedule gives the step after `step`, this run's), or None
-    where they agree (a constant rate) or the saved config's values are not numbers."""
+    where they agree or the saved config's values are not numbers."""
     try:
         keys = {k.split(".")[1]: stored[k.split(".")[0]][k.split(".")[1]] for k in SCHEDULE_KEYS[1:]}
         was = lr_schedule(dataclasses.replace(config.optimizer, **keys), int(stored["train"]["steps"]))(step)
@@ -251,7 +272,7 @@ class Checkpointer:
 
     def check_config_changes(self, step: int, config: Config, data_state: dict) -> None:
         """Compares this run's config with the one checkpoint `step` was saved with. A change of the
-        model (MODEL_KEYS) is a UserError: the parameters fit, but they were trained as another
+        model (`_model_changes`) is a UserError: the parameters fit, but they were trained as another
         model. Allowed, with one warning line each: other MoE routing; another learning-rate
         schedule (a longer run: its cosine now spans the new train.steps, so the rate moves from the
         next step on); other data (path, mix, batch, context or shuffle seed) once the saved run had
@@ -263,7 +284,7 @@ class Checkpointer:
         if not stored:
             return
         now = config.to_dict()
-        if changed := _changed(stored, now, MODEL_KEYS):
+        if changed := _model_changes(stored, config):
             raise UserError(f"checkpoint {self.step_path(step)} was trained as another model: {', '.join(changed)} "
                             f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
                             f"from it with checkpoint.init_from={self.directory.parent}")
@@ -271,10 +292,11 @@ class Checkpointer:
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
-        if step < config.train.steps and (changed := _changed(stored, now, SCHEDULE_KEYS)) and \
-                (rates := _next_rates(stored, config, step)):
+        if step < config.train.steps and (changed := _changed(stored, now, SCHEDULE_KEYS)):
+            rates = _next_rates(stored, config, step)
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the learning-rate "
-                  f"schedule is recomputed; step {step + 1} trains at {rates[1]:.3g}, not {rates[0]:.3g}")
+                  f"schedule is recomputed" + (f"; step {step + 1} trains at {rates[1]:.3g}, not {rates[0]:.3g}"
+                                               if rates else ""))
         if not data_state.get("next_index"):  # nothing read yet (a fresh or imported run): no stream to continue
             return
         was_data, now_data = stored.get("data", {}), now["data"]

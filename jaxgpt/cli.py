@@ -80,7 +80,8 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
             raise
         code, line = said
         print(f"error: {line}", file=sys.stderr, flush=True)
-        if line.startswith(PEER_LOST):  # skip jax.distributed's shutdown: its barrier waits for the
+        if line.startswith(PEER_LOST):
+            sys.stdout.flush()  # skip jax.distributed's shutdown: its barrier waits for the
             os._exit(code)              # lost process, then aborts the process with a C++ trace
         return code
     return EXIT_OK
@@ -101,12 +102,12 @@ def environment_failure(e: BaseException) -> tuple[int, str] | None:
     if isinstance(e, RuntimeError) and first.startswith("Unable to initialize backend") and \
             "not in the list of known backends" in first:
         return EXIT_USER_ERROR, f"{first[:300]} (check JAX_PLATFORMS)"
-    if isinstance(e, RuntimeError) and _in_multi_process_job() and any(s in first for s in _PEER_FAILURES):
+    if (line := out_of_memory(e)) is not None:
+        return EXIT_FAILED, f"a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}"
+    if isinstance(e, RuntimeError) and any(s in first for s in _PEER_FAILURES) and _in_multi_process_job():
         return EXIT_FAILED, (f"{PEER_LOST} ({first[:240]}): it stopped or cannot be reached (see its log); re-run "
                              f"the same command to resume from the last committed checkpoint (launch_multihost.sh "
                              f"--max-restarts N restarts the group by itself)")
-    if (line := out_of_memory(e)) is not None:
-        return EXIT_FAILED, f"a device ran out of memory ({line}); {OUT_OF_MEMORY_HINT}"
     if isinstance(e, MemoryError):  # a host allocation (NumPy's says how much); eval's --batch-size among the fixes
         return EXIT_FAILED, f"the host ran out of memory ({first[:200] or type(e).__name__}); {OUT_OF_MEMORY_HINT}"
     if (line := disk_full(e)) is not None:
@@ -119,16 +120,14 @@ def environment_failure(e: BaseException) -> tuple[int, str] | None:
 
 PEER_LOST = "lost contact with another process of this job"
 # What a collective or the coordination service says when a peer process died mid-step.
-_PEER_FAILURES = ("Gloo", "NCCL", "Connection reset by peer", "Connection refused", "heartbeat",
-                  "coordination service", "Barrier failed")
+_PEER_FAILURES = ("Gloo", "Connection reset by peer", "Connection closed by peer", "Connection refused",
+                  "heartbeat", "coordination service", "Barrier failed", "another task")
 
 
 def _in_multi_process_job() -> bool:
-    jax = sys.modules.get("jax")
-    try:
-        return jax is not None and jax.process_count() > 1
-    except Exception:  # noqa: BLE001 - no backend: not a multi-process job that lost a peer
-        return False
+    """Whether this process joined a job of several (jax.distributed started, no backend started here)."""
+    distributed = sys.modules.get("jaxgpt.parallel.distributed")
+    return bool(distributed and distributed.joined)
 
 
 def _raised_in(e: BaseException, path_end: str) -> bool:

@@ -33,6 +33,7 @@ import signal
 import sys
 
 import jax
+from jax._src import distributed as jax_distributed  # its preemption service (no public accessor)
 from jax.experimental import multihost_utils
 
 
@@ -45,7 +46,9 @@ class StopRequest:
         self.stop_at: int | None = None  # with one process: the step a signal stops after
         self.multi_process = jax.process_count() > 1
         self._previous = {}
-        for sig in [signal.SIGINT] if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
+        # with several processes, only where JAX's preemption service installed its SIGTERM handler
+        notice = getattr(jax_distributed.global_state, "preemption_sync_manager", None) is not None
+        for sig in ([signal.SIGINT] if notice else []) if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:

@@ -82,12 +82,14 @@ def check_fits(prompt_tokens: int, cfg: Config) -> None:
 
 
 def check_host_memory(cfg: Config, num_samples: int) -> None:
-    """On a CPU, one line before anything is read instead of the kernel's OOM killer part-way. The
-    parameters (fp32, as restored), the KV cache ([L, B, seq_len, G, K] keys and values) and the
-    next token's fp32 logits ([B, V]; a prefill computes only the last position's) are held at
-    once, and XLA's temporaries around the cache and the logits (the prefill's empty cache, the
-    sampling filters' copies of [B, V]) measured 1.5 times as much again on CPU (docs/benchmarks.md):
-    so 2.5 x (cache + logits). A GPU's out-of-memory is XLA's RESOURCE_EXHAUSTED, one line from run_main."""
+    """On a CPU, one line before anything is read instead of the kernel's OOM killer part-way. An
+    estimate, not a bound: the parameters (fp32, as restored), the KV cache ([L, B, seq_len, G, K]
+    keys and values) and the next token's fp32 logits ([B, V]; a prefill computes only the last
+    position's) are held at once, and XLA's temporaries around the cache and the logits (the
+    prefill's empty cache, the sampling filters' copies of [B, V]) measured 1.5 times as much again
+    on CPU for the default model (docs/benchmarks.md): so 2.5 x (cache + logits). The prompt's
+    activations are not counted (at most seq_len positions). A GPU's out-of-memory is XLA's
+    RESOURCE_EXHAUSTED, one line from run_main."""
     from jaxgpt.model import param_count
     from jaxgpt.plan import GIB, host_memory_available
 

@@ -434,6 +434,10 @@ def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints):
         f"relu2, model.logit_softcap 0.0 -> 15.0 (checkpoint -> this run); resume with the checkpoint's values, or "
         f"start a new run dir from it with checkpoint.init_from={three_checkpoints}\n"))
     assert (three_checkpoints / "config.yaml").read_text() == config
+    # the same model spelled otherwise (the defaults written out) resumes
+    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=7", "model.mlp_hidden=128",
+                   "model.n_kv_head=4", "model.rope_theta=99.0", "--mesh", "dp=8")
+    assert proc.returncode == 0 and "resuming from step 6" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_a_checkpoint_directory_that_became_read_only_stops_the_save_with_one_line(tmp_path, monkeypatch):

@@ -130,6 +130,7 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.vocab_sha256(),
                 "text_field": text_field, "separator": separator, "val_fraction": val_fraction,
                 "shard_tokens": shard_tokens, "dtype": dtype.name, "piece_chars": readers.MAX_PIECE_CHARS,
+                "cuts": readers.CUT_RULE,  # where pieces end: a resume counts pieces
                 "sources": [(s["bytes"], s["sha256"]) for s in sources],
                 **({"val_split": "tail"} if tail else {})}
     fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()

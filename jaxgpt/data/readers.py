@@ -120,7 +120,7 @@ def _walk(top: Path) -> Iterator[Path]:
             if p.is_file():
                 yield p
             else:
-                what = "a link to nothing" if p.is_symlink() and not p.exists() else "not a regular file"
+                what = "a broken or looping link" if p.is_symlink() and not p.exists() else "not a regular file"
                 print(f"warning: skipping {p}: {what}", file=sys.stderr, flush=True)
 
 
@@ -153,6 +153,7 @@ def safe_cut(text: str, lo: int, hi: int) -> int:
 # boundary of tiktoken's GPT-2 pattern ('s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+).
 _CLASS_CHANGE = re.compile(r"(?<=[A-Za-z])(?=[0-9!-/:-@\[-`{-~])|(?<=[0-9])(?=[A-Za-z!-/:-@\[-`{-~])")
 CLASS_CUT_WINDOW = 1 << 16  # characters searched back from the limit
+CUT_RULE = "line breaks, then letter/digit run ends"  # in the preparation's fingerprint
 
 
 def class_cut(text: str, lo: int, hi: int) -> int:
@@ -172,13 +173,20 @@ def cut_point(text: str, lo: int, hi: int) -> int:
     return p if p >= 0 else class_cut(text, lo, hi)
 
 
+def later_cut(text: str, lo: int, hi: int) -> int:
+    """Where no cut is found before the limit lo: the first class change in (lo, hi], else the last
+    line-break cut there (a longer piece, but still a safe one), or -1."""
+    m = _CLASS_CHANGE.search(text, lo + 1, min(hi, len(text) - 1) + 1)
+    return m.start() if m else safe_cut(text, lo, hi)
+
+
 def split_document(text: str, max_chars: int = MAX_PIECE_CHARS) -> Iterator[tuple[str, bool]]:
     """One document's pieces (see the module docstring); nothing for an empty document."""
     start, first = 0, True
     while len(text) - start > max_chars:
         p = cut_point(text, start, start + max_chars)
         if p < 0:
-            p = safe_cut(text, start + max_chars, len(text))  # a longer piece, but still a safe one
+            p = later_cut(text, start + max_chars, len(text))
         if p < 0:
             break
         yield text[start:p], first
@@ -365,7 +373,7 @@ class Reader:
             while limit > self.max_chars:
                 p = cut_point(buf, 0, self.max_chars)
                 if p < 0:
-                    p = safe_cut(buf, 0, limit)  # a longer piece, but still a safe one
+                    p = later_cut(buf, self.max_chars, limit)
                 if p < 0:
                     break
                 out.append((buf[:p], first))

@@ -159,4 +159,5 @@ def read_state(out_dir: Path, fingerprint: str) -> dict | None:
                 return {**obj, "finished": name == META}
             break
     raise UserError(f"{out_dir} already exists and holds another preparation (other inputs or "
-                    "options) or other files; remove it or choose another output directory.")
+                    "options, or another jaxgpt version's) or other files; remove it or choose another output "
+                    "directory.")

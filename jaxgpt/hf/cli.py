@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Sequence
 
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
@@ -33,8 +34,8 @@ def _main(argv: Sequence[str] | None) -> None:
         cfg, implied = import_dir(args.hf_dir, args.run_dir, args.config, [*args.overrides, *extra])
         model_keys = " ".join(f"model.{k}={v}" for k, v in cfg.to_dict()["model"].items() if f"model.{k}" in implied)
         print(f"wrote step 0 of {args.run_dir} from {args.hf_dir}; sample or export it as it is, or train it "
-              f"with: python -m jaxgpt.train --run-dir {args.run_dir} {model_keys} (then your data.* and train.* "
-              f"settings)")
+              f"(adding your data.* and train.* settings) with:\n"
+              f"  python -m jaxgpt.train --run-dir {shlex.quote(str(args.run_dir))} {model_keys}")
         return
     name, n, overrides = check_dir(args.hf_dir)
     print(f"{args.hf_dir}: {name} with {n:,} parameters; it loads as " + " ".join(f"{k}={v}" for k, v in overrides.items()))

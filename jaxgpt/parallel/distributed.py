@@ -62,8 +62,12 @@ def wanted() -> bool:
     return env_int("SLURM_NTASKS", 1, low=1) > 1 and "SLURM_JOB_ID" in os.environ
 
 
+joined = False  # this process is one of several whose jax.distributed started (cli.py's peer-loss line)
+
+
 def initialize() -> None:
     """Starts `jax.distributed` when the environment asks for several processes; else does nothing."""
+    global joined
     if not wanted() or jax.distributed.is_initialized():
         return
     timeout = env_int("JAXGPT_HEARTBEAT_TIMEOUT", 60, low=1)
@@ -83,6 +87,7 @@ def initialize() -> None:
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout, initialization_timeout=init_timeout)
+    joined = True
 
 
 def restart_info() -> dict | None:
