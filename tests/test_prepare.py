@@ -376,8 +376,8 @@ def test_each_error_is_the_only_stderr_line(tmp_path, capsys):
         ((one, "--out", tmp_path / "o1"), too_short.format(one)),
         ((tmp_path / "d", "--out", tmp_path / "o2"), too_short.format(tmp_path / "d" / "a.txt")),
         ((one, "--out", other),
-         f"error: {other} already exists and holds another preparation (other inputs or options) "
-         "or other files; remove it or choose another output directory.\n")]:
+         f"error: {other} already exists and holds another preparation (other inputs or options, or another "
+         "jaxgpt version's) or other files; remove it or choose another output directory.\n")]:
         code = main([str(a) for a in (*args, "--workers", "1")])
         out, err = capsys.readouterr()
         assert (code, err) == (2, expected), out
