@@ -89,7 +89,8 @@ try:
 except OSError as e:
     if e.errno == errno.EADDRINUSE:
         sys.exit(1)
-    sys.exit(f"error: cannot use port {sys.argv[1]} on 127.0.0.1 for the coordinator: {e.strerror}")
+    print(f"error: cannot use port {sys.argv[1]} on 127.0.0.1 for the coordinator: {e.strerror}", file=sys.stderr)
+    sys.exit(2)
 print(s.getsockname()[1])' "$1") || rc=$?
   (( rc == 0 )) || { (( rc == 1 )) && return 1; exit 2; }
   # held by this shell (and inherited by the processes) until the job ends; no lock where /tmp cannot take one

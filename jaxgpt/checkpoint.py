@@ -67,7 +67,6 @@ it, and the others wait for the move before going on.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
@@ -84,7 +83,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from jaxgpt import files
-from jaxgpt.config import CheckpointConfig, Config, from_dict
+from jaxgpt.config import CheckpointConfig, Config, ModelConfig, from_dict
 from jaxgpt.errors import UserError
 from jaxgpt.optim import lr_schedule
 from jaxgpt.step import TrainState
@@ -145,40 +144,29 @@ def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
             and (k != "model.moe_every" or moe)]
 
 
-def _model_changes(stored: dict, config: Config) -> list[str]:
+# Keys whose 0 means a default: compared by what they mean (n_kv_head 0 is n_head, mlp_hidden 0 is 4D).
+_EFFECTIVE = {"n_kv_head": "kv_heads", "mlp_hidden": "mlp_width"}
+
+
+def _model_changes(was: ModelConfig, now: ModelConfig) -> list[str]:
     """`model.KEY OLD -> NEW` for what makes the same parameters compute another function: the
-    architecture keys compared by their effective values (n_kv_head 0 is n_head, mlp_hidden 0 is
-    4 x n_embd), rope_theta where both use RoPE, the logit soft cap. seq_len is none of them: with
-    learned positions it changes wpe's shape (a shape error), with RoPE it extends the context."""
-    try:
-        was = from_dict(stored, "the checkpoint's config")
-    except UserError:
-        return []
-    def identity(c: Config) -> dict[str, Any]:
-        m = c.model
-        out = {"n_layer": m.n_layer, "n_head": m.n_head, "n_kv_head": m.kv_heads, "n_embd": m.n_embd,
-               "mlp": m.mlp, "mlp_hidden": m.mlp_width, "vocab_size": m.vocab_size, "position": m.position,
-               "norm": m.norm, "norm_scale": m.norm_scale, "bias": m.bias, "qk_norm": m.qk_norm,
-               "tie_embeddings": m.tie_embeddings, "moe_experts": m.moe_experts, "logit_softcap": m.logit_softcap}
-        if m.moe_experts:
-            out["moe_every"] = m.moe_every
-        if m.position == "rope":
-            out["rope_theta"] = m.rope_theta
-        return out
-    a, b = identity(was), identity(config)
+    model's SHAPE_KEYS by their effective values (moe_every only between two MoE models), the
+    logit soft cap, and rope_theta where both use RoPE. seq_len is not one: with learned positions
+    it changes wpe's shape (a shape error), with RoPE it extends the context."""
+    def identity(m: ModelConfig) -> dict[str, Any]:
+        keys = [k.split(".")[1] for k in SHAPE_KEYS if k.startswith("model.") and k != "model.seq_len"]
+        keys += ["logit_softcap"] + (["rope_theta"] if m.position == "rope" else [])
+        return {k: getattr(m, _EFFECTIVE.get(k, k)) for k in keys if k != "moe_every" or m.moe_experts}
+
+    a, b = identity(was), identity(now)
     return [f"model.{k} {a[k]} -> {b[k]}" for k in a if k in b and a[k] != b[k]]
 
 
-def _next_rates(stored: dict, config: Config, step: int) -> tuple[float, float] | None:
+def _next_rates(was: Config, now: Config, step: int) -> tuple[float, float] | None:
     """(the learning rate the saved run's schedule gives the step after `step`, this run's), or None
-    where they agree or the saved config's values are not numbers."""
-    try:
-        keys = {k.split(".")[1]: stored[k.split(".")[0]][k.split(".")[1]] for k in SCHEDULE_KEYS[1:]}
-        was = lr_schedule(dataclasses.replace(config.optimizer, **keys), int(stored["train"]["steps"]))(step)
-    except (KeyError, TypeError, ValueError):
-        return None
-    now = lr_schedule(config.optimizer, config.train.steps)(step)  # optax's count is the steps done
-    return None if np.isclose(was, now, rtol=1e-6, atol=0) else (float(was), float(now))
+    where they agree."""
+    rates = [float(lr_schedule(c.optimizer, c.train.steps)(step)) for c in (was, now)]  # optax counts steps done
+    return None if np.isclose(*rates, rtol=1e-6, atol=0) else (rates[0], rates[1])
 
 
 def _shape_mismatches(abstract: TrainState, stored: Any) -> list[str]:
@@ -284,7 +272,11 @@ class Checkpointer:
         if not stored:
             return
         now = config.to_dict()
-        if changed := _model_changes(stored, config):
+        try:  # typed, defaults filled: the model and the schedule compare by what the values mean
+            was = from_dict(stored, "the checkpoint's config")
+        except UserError:  # a hand-edited value: compared by key below only
+            was = None
+        if was is not None and (changed := _model_changes(was.model, config.model)):
             raise UserError(f"checkpoint {self.step_path(step)} was trained as another model: {', '.join(changed)} "
                             f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
                             f"from it with checkpoint.init_from={self.directory.parent}")
@@ -293,7 +285,7 @@ class Checkpointer:
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
                   f"with other MoE routing")
         if step < config.train.steps and (changed := _changed(stored, now, SCHEDULE_KEYS)):
-            rates = _next_rates(stored, config, step)
+            rates = _next_rates(was, config, step) if was is not None else None
             _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the learning-rate "
                   f"schedule is recomputed" + (f"; step {step + 1} trains at {rates[1]:.3g}, not {rates[0]:.3g}"
                                                if rates else ""))

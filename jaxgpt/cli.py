@@ -80,9 +80,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
             raise
         code, line = said
         print(f"error: {line}", file=sys.stderr, flush=True)
-        if line.startswith(PEER_LOST):
-            sys.stdout.flush()  # skip jax.distributed's shutdown: its barrier waits for the
-            os._exit(code)              # lost process, then aborts the process with a C++ trace
+        if line.startswith(PEER_LOST):  # skip jax.distributed's shutdown: its barrier waits for the
+            sys.stdout.flush()          # lost process, then aborts the process with a C++ trace
+            os._exit(code)
         return code
     return EXIT_OK
 

@@ -46,9 +46,11 @@ class StopRequest:
         self.stop_at: int | None = None  # with one process: the step a signal stops after
         self.multi_process = jax.process_count() > 1
         self._previous = {}
-        # with several processes, only where JAX's preemption service installed its SIGTERM handler
-        notice = getattr(jax_distributed.global_state, "preemption_sync_manager", None) is not None
-        for sig in ([signal.SIGINT] if notice else []) if self.multi_process else [signal.SIGTERM, signal.SIGINT]:
+        signals = [signal.SIGTERM, signal.SIGINT]
+        if self.multi_process:  # SIGINT only, and only where JAX's preemption service handles SIGTERM
+            notice = getattr(jax_distributed.global_state, "preemption_sync_manager", None) is not None
+            signals = [signal.SIGINT] if notice else []
+        for sig in signals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame) -> None:

@@ -20,8 +20,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
         prog="python -m jaxgpt.prepare",
         description="Tokenize documents with GPT-2 BPE into fixed-size token shards "
                     "(train-00000.bin, ..., val-00000.bin, ...) and meta.json. Inputs: UTF-8 text "
-                    "files (one document each, or split by --separator), JSON Lines (.jsonl, "
-                    ".ndjson, .json; also .gz/.zst) and Parquet, as files, directories or globs.")
+                    "files (one document each, or split by --separator) and JSON Lines (.jsonl, .ndjson, "
+                    ".json), both also .gz/.zst, and Parquet, as files, directories or globs.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
     parser.add_argument("--out", required=True, type=path_arg, metavar="DIR", help="output directory")
     parser.add_argument("--val-fraction", type=float, default=0.1,

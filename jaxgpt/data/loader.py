@@ -22,7 +22,6 @@
 [b*G, (b+1)*G) modulo the number of windows, cut the same way into per-process rows.
 """
 
-import collections.abc
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -204,7 +203,7 @@ def eval_batches(tokens, *, seq_len: int, global_batch: int, num_batches: int,
     return _EvalBatches(windows, global_batch, local, process_index, num_batches)
 
 
-class _EvalBatches(collections.abc.Sequence):
+class _EvalBatches(Sequence):
     def __init__(self, windows, global_batch: int, local: int, process_index: int, num_batches: int):
         self.windows, self.global_batch, self.local = windows, global_batch, local
         self.process_index, self.num_batches = process_index, num_batches

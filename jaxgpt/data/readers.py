@@ -4,12 +4,12 @@ Inputs are files, directories (searched recursively) and globs, each expanded in
 The format follows the name: `.parquet` is Parquet (a string column), `.jsonl`, `.ndjson` and
 `.json` are JSON Lines (one object per line with a string field); anything else is UTF-8 text,
 one document per file or several documents split on a separator string. JSON Lines and text may
-be compressed as `.gz` or `.zst` (`a.jsonl.zst`, `b.txt.gz`). Text is read with universal newlines ("\\r\\n" and "\\r" become "\\n"),
-and a UTF-8 byte-order mark at the start of a text or JSON Lines file is dropped. Compressed
-streams are read to their end marker: zstandard's stream reader ends quietly inside a cut-off
-frame, so `.zst` files are decoded frame by frame (`_ZstdStream`) and a cut is an error. With
-`val_tail` (one text file, corpus.py), a text file is two documents: its first
-int(n_chars * (1 - val_tail)) characters and the rest.
+be compressed as `.gz` or `.zst` (`a.jsonl.zst`, `b.txt.gz`). Text is read with universal
+newlines ("\\r\\n" and "\\r" become "\\n"), and a UTF-8 byte-order mark at the start of a text or
+JSON Lines file is dropped. Compressed streams are read to their end marker: zstandard's stream
+reader ends quietly inside a cut-off frame, so `.zst` files are decoded frame by frame
+(`_ZstdStream`) and a cut is an error. With `val_tail` (one text file, corpus.py), a text file is
+two documents: its first int(n_chars * (1 - val_tail)) characters and the rest.
 
 A document is yielded as one or more *pieces* `(text, starts_document)`. A long document is cut
 into pieces of about MAX_PIECE_CHARS so that no single document has to fit in memory and the
