@@ -181,6 +181,15 @@ class _Head:
         self.wte_VD = _gathered(wte_VD, dtype)
         platform = target_device().platform
         self.online = platform != "cpu"
+        # XLA:CPU runs a bf16 x bf16 -> fp32 GEMM only as a YNNPACK fusion, and gives any other to
+        # its DotThunk with both operands converted to fp32 first. With one chunk the scan is
+        # removed after that conversion is decided, and the transpose of dwte after the loop is
+        # folded into its GEMM ([V, D] = e^T (x / s), contracting e's rows): a layout YNNPACK does
+        # not take, left as the bf16 x bf16 -> fp32 dot DotThunk cannot run ("UNIMPLEMENTED:
+        # Unsupported element type"). A barrier on the loop's result keeps the transpose a copy
+        # after it, as it is with several chunks. fp32 GEMMs (which DotThunk runs) and GPUs keep
+        # the fold.
+        self.pin_dwte = platform == "cpu" and jnp.dtype(dtype) != jnp.float32
         if platform == "cpu" and splits("vocab") == 1:  # trim: the real rows only
             self.wte_VD = self.wte_VD[:vocab_size]
         # None: no padding columns to mask (a trimmed table, or a vocabulary that needed none)
@@ -300,6 +309,8 @@ def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
     V, D = head.wte_VD.shape
     zeros_SDV = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, D, V)), "batch", None, "vocab")
     dwte_SDV, (lse_CB, dx_CBtD) = jax.lax.scan(body, zeros_SDV, x_CBtD)
+    if head.pin_dwte:
+        dwte_SDV = jax.lax.optimization_barrier(dwte_SDV)  # keeps the .T below out of the GEMM
     # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
     # all-reduce of the whole table followed by a slice. A trimmed table's padding rows get 0.
     dwte_VD = jnp.sum(dwte_SDV, axis=0).T
