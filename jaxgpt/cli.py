@@ -2,8 +2,9 @@
 
 Exit codes (documented in the README):
     0  success
-    1  a failure while running: a traceback, or one `error: a device ran out of memory ...` line for
-       XLA's out-of-memory (not necessarily the same on a second try: launch_multihost.sh restarts)
+    1  a failure while running: a traceback, or one `error: ...` line for XLA's out-of-memory (not
+       necessarily the same on a second try: launch_multihost.sh restarts) and for any other error
+       XLA raises running a train step (`StepFailed`)
     2  bad input the user can fix (config, mesh, data, a run too big for its devices' memory, ...):
        one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
@@ -34,6 +35,12 @@ class Diverged(UserError):
 
 class Preempted(Exception):
     """Training stopped on request after committing a resumable checkpoint."""
+
+
+class StepFailed(Exception):
+    """XLA raised an error running a train step that is not one of `environment_failure`'s (an
+    operation its backend cannot run, a device fault): one line, exit 1, the committed checkpoints
+    kept."""
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -72,6 +79,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except StepFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED

@@ -55,7 +55,7 @@ import yaml
 
 from jaxgpt import allocator, data, files, hf
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
-from jaxgpt.cli import ArgumentParser, Diverged, Preempted, path_arg, run_main
+from jaxgpt.cli import ArgumentParser, Diverged, Preempted, StepFailed, environment_failure, path_arg, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.data import integrity
 from jaxgpt.errors import UserError
@@ -296,6 +296,22 @@ class _Loop:
                           "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak)})
 
     def run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
+        """The steps after `start`; an error XLA raises running them is one line (`StepFailed`),
+        except those the command line names itself (out of memory, a lost peer process). The
+        caller's `ckpt.close()` still commits a save in flight."""
+        self.step = start
+        try:
+            return self._run(state, start, batches, to_global, val_batches, ckpt, stop)
+        except jax.errors.JaxRuntimeError as e:
+            if environment_failure(e) is not None:
+                raise
+            first = str(e).strip().split("\n", 1)[0][:300]
+            # Dispatch runs ahead: the failure may be the step before the one it surfaced in.
+            raise StepFailed(f"XLA failed running the train step (surfaced at step {self.step}): {first}; "
+                             f"this is not bad input: report it with the command. Committed checkpoints are "
+                             f"kept: the same command resumes from the newest") from None
+
+    def _run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
         t, every = self.cfg.train, self.cfg.checkpoint.every
         if start >= t.steps:
             _say(f"already trained to step {start} (train.steps={t.steps}); nothing to do")
@@ -306,6 +322,7 @@ class _Loop:
         stop.begin(start)
         pending = None  # (step, metrics still on device) of the previous step
         for step in range(start + 1, t.steps + 1):
+            self.step = step
             with self.track.step_annotation(step):  # starts a logging.profile_steps trace at its first step
                 state, metrics = self.train_step(state, to_global(next(batches)))
             if pending is not None:

@@ -372,3 +372,29 @@ def test_report_skips_a_last_line_cut_short_by_a_kill(tmp_path, capsys):
     from jaxgpt.metrics import format_record  # a null (non-finite) value in a record prints, never raises
     line = format_record({"step": 1, "loss": 2.0, "lr": None, "grad_norm": None, "tokens_per_sec": None, "mfu": None})
     assert "grad_norm nan" in line and "lr nan" in line
+
+
+def test_an_error_xla_raises_in_a_step_is_one_line(tmp_path, capsys, monkeypatch):
+    """A step XLA cannot run: the bf16 loss of one chunk without the barrier that keeps XLA:CPU's
+    DotThunk from a bf16 x bf16 -> fp32 GEMM (jaxgpt/model/loss.py `pins_dwte`; the real
+    failure of issue 39). One `error:` line, exit 1, no traceback, and no lost work: the run
+    resumed from its step-2 checkpoint fails at step 3 and keeps that checkpoint and the rows of
+    steps <= 2. (Should XLA:CPU learn to run that GEMM, the first assertion fails: then drop the
+    barrier.)"""
+    from jaxgpt.model import loss
+    from jaxgpt.train import main
+
+    run = tmp_path / "run"
+    args = ["--run-dir", str(run), "--mesh", "dp=8", *TINY, "model.dtype=bfloat16", "model.loss_chunk=0"]
+    assert main([*args, "train.steps=2"]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(loss, "pins_dwte", lambda platform, dtype: False)
+    code = main([*args, "train.steps=4"])
+    out, err = capsys.readouterr()
+    assert code == EXIT_FAILED, err
+    said = [line for line in err.splitlines() if not line.startswith("warning: train.steps 2 -> 4 ")]  # a resume's
+    assert len(said) == 1 and said[0].startswith(
+        "error: XLA failed running the train step (surfaced at step 3): UNIMPLEMENTED: "), err
+    assert "resuming from step 2" in out and "Traceback" not in out
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]

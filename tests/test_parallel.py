@@ -38,6 +38,22 @@ def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
     np.testing.assert_allclose(losses, single_device_losses, rtol=0, atol=LOSS_ATOL)
 
 
+# bf16 with the default loss chunk (model.loss_chunk=0: TINY's pin undone), which each of these
+# layouts takes as one chunk of all 32 positions (2 to 4 rows per device; one device: micro-batches
+# of 2). XLA:CPU could not run that step in bf16 (issue 39; jaxgpt/model/loss.py `pins_dwte`). Both
+# steps run at the initial parameters (the first update has lr 0), so the losses are the fp32 single
+# device's, held to bf16's unit roundoff as in test_pipeline.py (pipelines: its bf16 matrix).
+BF16_LAYOUTS = [("dp=1", ("train.grad_accum=8",), 1), ("dp=8", (), 8), ("dp=2,fsdp=2,tp=2", (), 8),
+                ("dp=2,ep=4", (), 8)]
+
+
+@pytest.mark.parametrize("layout, overrides, n", BF16_LAYOUTS)
+def test_layout_trains_in_bf16_with_the_default_loss(layout, overrides, n, single_device_losses, tmp_path):
+    cfg = tiny_config("train.steps=2", "model.dtype=bfloat16", "model.loss_chunk=0", *overrides, mesh=layout)
+    train(cfg, tmp_path, devices=jax.devices()[:n])
+    np.testing.assert_allclose(train_losses(tmp_path), single_device_losses[:2], rtol=2.0 ** -8, atol=0)
+
+
 @pytest.mark.parametrize("layout", ["dp=1", "dp=2,fsdp=2,tp=2"])
 def test_grad_accum_matches_one_big_batch(layout, single_device_losses, tmp_path):
     """Two micro-batches of 8 give the gradient of one batch of 16 (same tolerance, same reason),

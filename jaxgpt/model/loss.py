@@ -171,6 +171,18 @@ def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: M
     return lse_BT - label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap)
 
 
+def pins_dwte(platform: str, dtype: jnp.dtype) -> bool:
+    """Whether the chunk loop's dwte result goes through an optimization barrier. XLA:CPU runs a
+    bf16 x bf16 -> fp32 GEMM only as a YNNPACK fusion, and gives any other to its DotThunk with both
+    operands converted to fp32 first. With one chunk the scan is removed after that conversion is
+    decided, and the transpose of dwte after the loop is folded into its GEMM ([V, D] = e^T (x / s),
+    contracting e's rows): a layout YNNPACK does not take, left as a bf16 x bf16 -> fp32 dot that
+    DotThunk cannot run ("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute"). The
+    barrier keeps the transpose a copy after the loop, as it is with several chunks. fp32 GEMMs
+    (which DotThunk runs) and GPUs keep the fold."""
+    return platform == "cpu" and jnp.dtype(dtype) != jnp.float32
+
+
 class _Head:
     """The head's table as its GEMMs take it: in the compute dtype, or (model.fp8_head) in e4m3
     with its per-tensor scale, quantized once per step before the chunk loop. On a CPU with the
@@ -181,15 +193,7 @@ class _Head:
         self.wte_VD = _gathered(wte_VD, dtype)
         platform = target_device().platform
         self.online = platform != "cpu"
-        # XLA:CPU runs a bf16 x bf16 -> fp32 GEMM only as a YNNPACK fusion, and gives any other to
-        # its DotThunk with both operands converted to fp32 first. With one chunk the scan is
-        # removed after that conversion is decided, and the transpose of dwte after the loop is
-        # folded into its GEMM ([V, D] = e^T (x / s), contracting e's rows): a layout YNNPACK does
-        # not take, left as the bf16 x bf16 -> fp32 dot DotThunk cannot run ("UNIMPLEMENTED:
-        # Unsupported element type"). A barrier on the loop's result keeps the transpose a copy
-        # after it, as it is with several chunks. fp32 GEMMs (which DotThunk runs) and GPUs keep
-        # the fold.
-        self.pin_dwte = platform == "cpu" and jnp.dtype(dtype) != jnp.float32
+        self.pin_dwte = pins_dwte(platform, dtype)
         if platform == "cpu" and splits("vocab") == 1:  # trim: the real rows only
             self.wte_VD = self.wte_VD[:vocab_size]
         # None: no padding columns to mask (a trimmed table, or a vocabulary that needed none)
