@@ -362,18 +362,19 @@ def test_ctrl_c_from_0_s_on_is_never_ignored(tmp_path, big):
     SIGINT ignored then) was dropped. The instants: 0 s after the process starts (Python itself may
     still be starting: then its default action kills it, or its start-up fails on the interrupt); its
     first line on stdout (jaxgpt imported, arguments read); while it holds SIGINT off to spawn its
-    workers (/proc/PID/status); 0.1 s and 0.5 s after it opens its first partial shard. Before each
-    Ctrl-C the process is frozen (SIGSTOP: the main process only, as a vfork child stopped before its
-    exec would hold its parent) and checked to be running without a meta.json, so each Ctrl-C lands
-    where the preparation must still stop. All share one --out, which the same command then
-    finishes to the uninterrupted bytes."""
+    workers (/proc/PID/status, once its shards are open); 0.1 s and 0.5 s after it opens its first
+    partial shard. Before each Ctrl-C the process is frozen (SIGSTOP: the main process only, as a
+    vfork child stopped before its exec would hold its parent) and checked to be running without a
+    meta.json, so each Ctrl-C lands where the preparation must still stop. All share one --out,
+    which the same command then finishes to the uninterrupted bytes."""
     args, ref = big
     out = tmp_path / "out"
     resumable = {f"interrupted: {out} keeps what was prepared; run the same command again to resume\n",
                  "interrupted: run the same command again to prepare\n"}
     instants = {"0 s": lambda proc: None,
                 "first line": lambda proc: proc.stdout.readline(),
-                "spawning workers": lambda proc: _until(lambda: sigint_held_off(proc.pid), proc),
+                "spawning workers": lambda proc: _until(lambda: _opened_a_shard(proc.pid) and sigint_held_off(proc.pid),
+                                                        proc),  # not OpenBLAS's start, which blocks it too
                 "0.1 s after the first shard": lambda proc: (_until(lambda: _opened_a_shard(proc.pid), proc),
                                                              time.sleep(0.1)),
                 "0.5 s after the first shard": lambda proc: (_until(lambda: _opened_a_shard(proc.pid), proc),
@@ -381,22 +382,25 @@ def test_ctrl_c_from_0_s_on_is_never_ignored(tmp_path, big):
     for instant, wait in instants.items():
         for _ in range(5):  # the worker spawn's window can pass between seeing it and the freeze
             proc = run_prepare(*args, "--workers", 2, "--out", out, start_new_session=True)
-            wait(proc)
-            assert proc.poll() is None, (instant, proc.stderr.read())
-            os.kill(proc.pid, signal.SIGSTOP)
-            assert stopped(proc.pid) and not (out / writer.META).exists(), instant
-            if instant != "spawning workers" or sigint_held_off(proc.pid):
-                break
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
+            try:
+                wait(proc)
+                assert proc.poll() is None, (instant, proc.stderr.read())
+                os.kill(proc.pid, signal.SIGSTOP)
+                assert stopped(proc.pid) and not (out / writer.META).exists(), instant
+                if instant != "spawning workers" or sigint_held_off(proc.pid):
+                    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+                    os.kill(proc.pid, signal.SIGCONT)
+                    code, err = proc.wait(timeout=60), proc.stderr.read()
+                    break
+            finally:
+                if proc.poll() is None:  # missed the window, or a failed assertion: leave nothing behind
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=60)
         else:
             raise AssertionError("the worker spawn was never caught holding SIGINT off")
-        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
-        os.kill(proc.pid, signal.SIGCONT)
-        code, err = proc.wait(timeout=60), proc.stderr.read()
         assert code != 0 and not (out / writer.META).exists(), (instant, err)
         if instant == "0 s" and code != 130:
-            continue
+            continue  # Python itself was still starting: its default action, or its start-up failing
         starting = {INTERRUPTED + "\n"} if instant == "0 s" else set()  # jaxgpt/__init__.py's, while importing
         assert code == 130 and err in resumable | starting, (instant, code, err)
     proc = run_prepare(*args, "--workers", 1, "--out", out)
