@@ -33,7 +33,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
                         help="split text files into documents on this string (Python escapes such "
                              "as \\n are understood, e.g. '\\n\\n'); default: one document per file")
     parser.add_argument("--skip-bad-lines", action="store_true",
-                        help="skip (and count) JSON Lines that are not JSON or lack the text field")
+                        help="skip (and count) JSON Lines that are not JSON or lack the text field, "
+                             "and Parquet rows whose text is null")
     parser.add_argument("--workers", type=int, default=None,
                         help=f"tokenizer processes (default: all cores, here {default_workers()})")
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,

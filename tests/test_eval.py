@@ -110,6 +110,16 @@ def test_bad_task_files_are_one_line_and_exit_2(run, rows, message, tmp_path, ca
     assert re.search(message, err[0]), err
 
 
+def test_a_choice_too_long_for_the_context_names_its_line(tmp_path):
+    """Issue 39: the errors found once an example is tokenized name its file and line (blank lines
+    counted, as an editor numbers them), as the others do, not the example's index (was "example 3")."""
+    long = {"context": "Say it:", "choices": ["x", "word " * 200], "label": 0}
+    path = _jsonl(tmp_path / "mc.jsonl", [GENERIC[0], GENERIC[1], "", long])
+    with pytest.raises(UserError) as e:
+        load_task("mc", path, seq_len=32)
+    assert str(e.value) == f"task file {path}: line 4: choice 1 is 201 tokens, more than the model's context of 32"
+
+
 def test_task_config_is_checked_before_compiling():
     def refused(*overrides, mesh=None):
         with pytest.raises(UserError) as e:

@@ -5,6 +5,7 @@ Corpora are a few hundred of the bundled shakespeare's paragraphs; preparations 
 worker pool with one worker, and the kill and Ctrl-C tests a real `python -m jaxgpt.prepare`.
 """
 
+import contextlib
 import gzip
 import json
 import os
@@ -22,6 +23,7 @@ import pytest
 import zstandard
 
 from jaxgpt import data, tokenizer
+from jaxgpt.cli import INTERRUPTED
 from jaxgpt.data import corpus as corpus_module
 from jaxgpt.data import integrity, readers, writer
 from jaxgpt.data.corpus import prepare_corpus
@@ -330,6 +332,79 @@ def test_ctrl_c_is_one_line_and_exit_130_then_the_same_command_finishes(tmp_path
     proc = run_prepare(*args, "--workers", 1, "--out", out)  # another worker count
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert "resuming at input file 1" in proc.stdout.read()
+    assert files_of(out) == ref
+
+
+def sigint_held_off(pid: int) -> bool:
+    """Whether pid's main thread ignores or blocks SIGINT now (/proc/PID/status)."""
+    masks = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if line.startswith(("SigIgn:", "SigBlk:")))
+    return bool((int(masks["SigIgn"], 16) | int(masks["SigBlk"], 16)) & 1 << (signal.SIGINT - 1))
+
+
+def _until(condition, proc) -> None:
+    while not condition() and proc.poll() is None:
+        time.sleep(0.001)
+
+
+def _opened_a_shard(pid: int) -> bool:
+    """Whether pid holds a partial shard open (/proc/PID/fd): its writers exist, the pool is next."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd).endswith(".partial"):
+                return True
+    return False
+
+
+def test_ctrl_c_from_0_s_on_is_never_ignored(tmp_path, big):
+    """Issue 39: a Ctrl-C at any instant of `prepare` stops it with exit 130 and one `interrupted`
+    line, never a run that goes on to meta.json: one while the workers were spawned (0.2-0.4 s in,
+    SIGINT ignored then) was dropped. The instants: 0 s after the process starts (Python itself may
+    still be starting: then its default action kills it, or its start-up fails on the interrupt); its
+    first line on stdout (jaxgpt imported, arguments read); while it holds SIGINT off to spawn its
+    workers (/proc/PID/status, once its shards are open); 0.1 s and 0.5 s after it opens its first
+    partial shard. Before each Ctrl-C the process is frozen (SIGSTOP: the main process only, as a
+    vfork child stopped before its exec would hold its parent) and checked to be running without a
+    meta.json, so each Ctrl-C lands where the preparation must still stop. All share one --out,
+    which the same command then finishes to the uninterrupted bytes."""
+    args, ref = big
+    out = tmp_path / "out"
+    resumable = {f"interrupted: {out} keeps what was prepared; run the same command again to resume\n",
+                 "interrupted: run the same command again to prepare\n"}
+    instants = {"0 s": lambda proc: None,
+                "first line": lambda proc: proc.stdout.readline(),
+                "spawning workers": lambda proc: _until(lambda: _opened_a_shard(proc.pid) and sigint_held_off(proc.pid),
+                                                        proc),  # not OpenBLAS's start, which blocks it too
+                "0.1 s after the first shard": lambda proc: (_until(lambda: _opened_a_shard(proc.pid), proc),
+                                                             time.sleep(0.1)),
+                "0.5 s after the first shard": lambda proc: (_until(lambda: _opened_a_shard(proc.pid), proc),
+                                                             time.sleep(0.5))}
+    for instant, wait in instants.items():
+        for _ in range(5):  # the worker spawn's window can pass between seeing it and the freeze
+            proc = run_prepare(*args, "--workers", 2, "--out", out, start_new_session=True)
+            try:
+                wait(proc)
+                assert proc.poll() is None, (instant, proc.stderr.read())
+                os.kill(proc.pid, signal.SIGSTOP)
+                assert stopped(proc.pid) and not (out / writer.META).exists(), instant
+                if instant != "spawning workers" or sigint_held_off(proc.pid):
+                    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+                    os.kill(proc.pid, signal.SIGCONT)
+                    code, err = proc.wait(timeout=60), proc.stderr.read()
+                    break
+            finally:
+                if proc.poll() is None:  # missed the window, or a failed assertion: leave nothing behind
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=60)
+        else:
+            raise AssertionError("the worker spawn was never caught holding SIGINT off")
+        assert code != 0 and not (out / writer.META).exists(), (instant, err)
+        if instant == "0 s" and code != 130:
+            continue  # Python itself was still starting: its default action, or its start-up failing
+        starting = {INTERRUPTED + "\n"} if instant == "0 s" else set()  # jaxgpt/__init__.py's, while importing
+        assert code == 130 and err in resumable | starting, (instant, code, err)
+    proc = run_prepare(*args, "--workers", 1, "--out", out)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
     assert files_of(out) == ref
 
 

@@ -333,7 +333,8 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
     surrogate.write_text('{"text": "a\\ud800b"}\n{"text": "fine"}\n')
     checks.append(((surrogate,), f"{surrogate}:1: the 'text' field holds a lone surrogate escape"))
     pq.write_table(pa.table({"text": ["x", None, "y"]}), tmp_path / "nulls.parquet")  # were dropped silently
-    checks.append(((tmp_path / "nulls.parquet",), "the 'text' column is null in row 2"))
+    checks.append(((tmp_path / "nulls.parquet",), f"error: {tmp_path / 'nulls.parquet'}: row 2: the 'text' column "
+                   "is null; fix the row or pass --skip-bad-lines to skip such rows."))  # was "fix the line"
     checks.append(((nofield, "--workers", "100000"), "--workers must be at most"))  # 100,000 processes
     for mb in ("nan", "inf", "0", "-1"):
         checks.append(((nofield, "--batch-mb", mb), "--batch-mb must be in (0, 1e6)"))
@@ -341,6 +342,10 @@ def test_bad_inputs_are_one_clear_line(tmp_path, capsys):
         code, line, _, err = cli(capsys, *args, "--out", tmp_path / "o3")
         assert code == 2 and line.startswith("error:") and fragment in line, (args, err)
         assert "Traceback" not in err and not (tmp_path / "o3").exists()
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "--skip-bad-lines skip (and count) JSON Lines that are not JSON or lack the text field, and Parquet " \
+           "rows whose text is null" in " ".join(capsys.readouterr().out.split())
 
     # An output dir holding a different preparation (other options, or other files) is refused.
     code, line, _, _ = cli(capsys, bad, "--out", tmp_path / "o2", "--skip-bad-lines", "--val-fraction", "0.5")

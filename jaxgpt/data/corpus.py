@@ -42,6 +42,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import numpy as np
@@ -108,15 +109,16 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
     out_dir = writable_dir(Path(out_dir), "--out")  # before any output: a file there is one error line
     files = readers.find_inputs(inputs, exclude=out_dir)  # never the output of an earlier run
     # One preparation per directory (jaxgpt/lock.py): a second one would append to the same shards.
-    with DirLock(out_dir, "--out", "wait for it to end, then run the same command again (it resumes, or finds "
-                 "the preparation done)"):
+    with _ctrl_c_remembered() as ctrl_c, DirLock(
+            out_dir, "--out", "wait for it to end, then run the same command again (it resumes, or finds "
+            "the preparation done)"):
         return _prepare(files, out_dir, text_field, separator, val_fraction, shard_tokens, workers,
-                        skip_bad_lines, progress, batch_chars, started)
+                        skip_bad_lines, progress, batch_chars, started, ctrl_c)
 
 
 def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str | None, val_fraction: float,
              shard_tokens: int, workers: int, skip_bad_lines: bool, progress: str, batch_chars: int,
-             started: float) -> dict:
+             started: float, ctrl_c: "_CtrlC") -> dict:
     """`prepare_corpus` once its arguments are checked and out_dir is this process's."""
     # One text file is one document: its val split is its last val_fraction of characters (README).
     tail = len(files) == 1 and readers.kind(files[0]) == "text" and separator is None
@@ -126,6 +128,7 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     show.note(f"hashing {len(files)} input file{'s' * (len(files) > 1)}")
     with ThreadPoolExecutor(workers) as pool:
         sources = list(pool.map(_hash_file, files))
+    ctrl_c.check()
     dtype = token_dtype()
     identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.vocab_sha256(),
                 "text_field": text_field, "separator": separator, "val_fraction": val_fraction,
@@ -155,23 +158,22 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
-        with _ctrl_c_remembered() as ctrl_c:
-            with _spawn_pool(workers) as pool:
-                in_flight: deque = deque()
-                for batch, cursor, bad_lines in run.batches(batch_chars):
-                    tasks = _tasks([text for text, _ in batch])
-                    in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
-                    if len(in_flight) > _IN_FLIGHT:
-                        run.commit(*in_flight.popleft())
-                        show.update(run.cursor, reader.file_bytes_read)
-                        ctrl_c.check()
-                while in_flight:
+        with _spawn_pool(workers) as pool:
+            in_flight: deque = deque()
+            for batch, cursor, bad_lines in run.batches(batch_chars):
+                tasks = _tasks([text for text, _ in batch])
+                in_flight.append((batch, cursor, bad_lines, pool.map_async(encode_task, tasks, chunksize=1)))
+                if len(in_flight) > _IN_FLIGHT:
                     run.commit(*in_flight.popleft())
                     show.update(run.cursor, reader.file_bytes_read)
                     ctrl_c.check()
-            ctrl_c.check()
-            meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
-                              shard_tokens, identity)
+            while in_flight:
+                run.commit(*in_flight.popleft())
+                show.update(run.cursor, reader.file_bytes_read)
+                ctrl_c.check()
+        ctrl_c.check()
+        meta = run.finish(sources, skip_bad_lines, text_field, separator, val_fraction,
+                          shard_tokens, identity)
     except OSError as e:  # reading errors are UserErrors already: this is the output (full, read-only)
         run.close()
         show.close(failed=True)
@@ -205,7 +207,8 @@ class EmptySplit(UserError):
 
 
 def _worker_init() -> None:
-    """Workers leave Ctrl-C to the main process, which stops them and prints one line."""
+    """Workers leave Ctrl-C to the main process, which stops them and prints one line. (They start
+    with SIGINT blocked, _spawn_pool; ignoring it also discards one pending since.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -213,9 +216,10 @@ class _CtrlC:
     """Ctrl-C raises KeyboardInterrupt as usual, and is also remembered: Python drops an exception
     raised while it runs a __del__ method or a weakref callback (multiprocessing's pipes and pool
     finalizers have them, and garbage collection runs them at any moment), printing "Exception
-    ignored" and going on. So a remembered Ctrl-C is raised again by `check()` after each batch and
-    before meta.json, and on leaving (its "Exception ignored" report is dropped): a preparation
-    interrupted anywhere ends as interrupted, one line and exit 130, never as finished."""
+    ignored" and going on. So a remembered Ctrl-C is raised again by `check()` after hashing, after
+    each batch and before meta.json, and on leaving (its "Exception ignored" report is dropped): a
+    preparation interrupted anywhere ends as interrupted, one line and exit 130, never as finished.
+    It is in place from taking the --out lock to the end (prepare_corpus)."""
 
     def __init__(self):
         self.pressed = False
@@ -260,14 +264,48 @@ def _ctrl_c_remembered():
     ctrl_c.check()
 
 
+@contextlib.contextmanager
 def _spawn_pool(workers: int):
-    """The encoding workers, deaf to Ctrl-C from their first instruction: they are spawned while
-    the main process ignores SIGINT, a disposition exec keeps and Python's start-up leaves alone.
-    (Set only by _worker_init, a worker still importing numpy when Ctrl-C lands would print its
-    own traceback above the one line.) The main process ignores Ctrl-C only for the milliseconds
-    the fork + exec take."""
-    with _sigint(signal.SIG_IGN):
-        return multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init)
+    """The encoding workers, deaf to Ctrl-C from their first instruction, and a Ctrl-C that lands
+    while they are spawned deferred, never dropped.
+
+    A worker must not see Ctrl-C before _worker_init ignores it: one still importing numpy would
+    print its own traceback above the one line. Ignoring SIGINT in the main process while it
+    spawns (a disposition exec keeps) did that, but a Ctrl-C in those 0.1-0.2 s was lost and the
+    preparation ran to its end (issue 39). Instead SIGINT is *blocked* there, as
+    multiprocessing's resource tracker protects its own child (bpo-33613): a spawned process
+    inherits the signal mask through fork and exec, and a Ctrl-C sent to it stays pending until
+    _worker_init ignores it, which discards it. In the main process a blocked Ctrl-C stays
+    pending too (one that another thread takes runs the deferring handler): it is recorded when
+    the mask is restored, and raised again once the pool exists, for the handler in place
+    (_ctrl_c_remembered's) to stop the preparation as anywhere else. The resource tracker is
+    started first because its start unblocks SIGINT (its bpo-33613 code restores an empty mask).
+    """
+    context = multiprocessing.get_context("spawn")
+    with _sigint_deferred() as deferred:
+        pool = context.Pool(workers, initializer=_worker_init)
+    with pool:  # terminated on leaving, a deferred Ctrl-C included
+        if deferred:
+            signal.raise_signal(signal.SIGINT)
+        yield pool
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Within: SIGINT blocked in this thread (and so in the processes it spawns) and, should it
+    still arrive, recorded instead of handled; yields the record, a list that is non-empty after
+    the block if a Ctrl-C came. Outside the main thread, as is (no handler can change there)."""
+    deferred: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield deferred
+        return
+    resource_tracker.ensure_running()  # its first start unblocks SIGINT: not inside the block
+    with _sigint(lambda signum, frame: deferred.append(signum)):
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield deferred
+        finally:  # a pending Ctrl-C runs the recording handler here, before `_sigint` restores its own
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _tasks(texts: list[str]) -> list[list[str]]:

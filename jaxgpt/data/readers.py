@@ -251,10 +251,11 @@ class Reader:
                     line = line[len(BOM):]
                 yield lineno, line
 
-    def _bad(self, path: Path, lineno: int, why: str) -> None:
+    def _bad(self, path: Path, lineno: int, why: str, unit: str = "line") -> None:
+        """A bad line (or Parquet row, `unit`): an error naming it, or counted with --skip-bad-lines."""
         if not self.skip_bad_lines:
-            raise UserError(f"{path}:{lineno}: {why}; fix the line or pass --skip-bad-lines to skip "
-                            "such lines.")
+            where = f"{path}:{lineno}" if unit == "line" else f"{path}: {unit} {lineno}"
+            raise UserError(f"{where}: {why}; fix the {unit} or pass --skip-bad-lines to skip such {unit}s.")
         self.bad_lines += 1
 
     def _jsonl(self, path: Path) -> Iterator[str]:
@@ -316,7 +317,7 @@ class Reader:
                     for text in batch.column(0).to_pylist():
                         row += 1
                         if text is None:  # as a JSON Lines null: an error, or counted with --skip-bad-lines
-                            self._bad(path, row, f"the {self.text_field!r} column is null in row {row}")
+                            self._bad(path, row, f"the {self.text_field!r} column is null", unit="row")
                         else:
                             yield text
                 done += meta.row_group(g).total_byte_size

@@ -108,6 +108,12 @@ def _strings(value: list, key: str, where: str) -> list[str]:
 
 def read_examples(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]]:
     """(context, choices, label) of each example in a task file (the first `limit`; 0 = all)."""
+    return [(context, choices, label) for _, context, choices, label in _numbered_examples(path, limit)]
+
+
+def _numbered_examples(path: Path, limit: int = 0) -> list[tuple[int, str, list[str], int]]:
+    """(line number, context, choices, label) of each example: the number (from 1, blank lines
+    counted) names the line in the errors found once the example is tokenized (load_task)."""
     text = files.read_text(path, "task file").removeprefix("\ufeff")  # a BOM (Windows editors), as prepare drops it
     examples, fmt = [], None
     for number, line in enumerate(text.split("\n"), 1):
@@ -127,7 +133,7 @@ def read_examples(path: Path, limit: int = 0) -> list[tuple[str, list[str], int]
             context, choices = preprocess(record["activity_label"] + ": " + ctx), [preprocess(e) for e in endings]
         else:
             context, choices = record["context"], _strings(record["choices"], "choices", where)
-        examples.append((context, choices, _label(record["label"], len(choices), where)))
+        examples.append((number, context, choices, _label(record["label"], len(choices), where)))
         if limit and len(examples) == limit:
             break
     if not examples:
@@ -151,16 +157,16 @@ def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
 def load_task(name: str, path: Path, seq_len: int, limit: int = 0) -> Task:
     """A task file read, checked and tokenized for a model of `seq_len` positions."""
     tokens, continuation, chars, labels = [], [], [], []
-    for i, (context, choices, label) in enumerate(read_examples(path, limit)):
+    for number, context, choices, label in _numbered_examples(path, limit):
         row_tokens, row_cont = [], []
         for c, choice in enumerate(choices):
             context_ids, cont_ids = encode_pair(context, " " + choice)
+            where = f"task file {path}: line {number}: choice {c}"
             if not cont_ids:
-                raise UserError(f"task file {path}: example {i + 1}, choice {c} has no tokens of its own (the "
-                                f"tokenizer merges it into the context's last token)")
+                raise UserError(f"{where} has no tokens of its own (the tokenizer merges it into the context's "
+                                f"last token)")
             if len(cont_ids) > seq_len:
-                raise UserError(f"task file {path}: example {i + 1}, choice {c} is {len(cont_ids)} tokens, more "
-                                f"than the model's context of {seq_len}")
+                raise UserError(f"{where} is {len(cont_ids)} tokens, more than the model's context of {seq_len}")
             row_tokens.append(np.asarray((context_ids + cont_ids)[-(seq_len + 1):], np.int32))
             row_cont.append(len(cont_ids))
         tokens.append(row_tokens)
