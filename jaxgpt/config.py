@@ -495,9 +495,6 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if cfg.checkpoint.init_from_hf:
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")
-    if cfg.checkpoint.init_from_hf:
-        from jaxgpt.hf.llama import architecture
-        architecture(m)  # GPT-2 or Llama; one line naming the keys neither Hugging Face class holds
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")
@@ -536,7 +533,7 @@ def _validate_eval(cfg: Config, sizes: dict[str, int]) -> None:
                         f"scored at evaluations)")
     if sizes["pp"] > 1:
         raise UserError(f"eval.tasks: task scoring does not pipeline (pp={sizes['pp']}); score the checkpoints with "
-                        f"python -m jaxgpt.eval instead")
+                        f"python -m jaxgpt.evaluate instead")
 
 
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:

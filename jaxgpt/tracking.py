@@ -59,7 +59,7 @@ import yaml
 
 from jaxgpt import files
 from jaxgpt.config import Config, LoggingConfig
-from jaxgpt.data.mix import describe_sources
+from jaxgpt.data.sources import describe_sources
 from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
 
@@ -312,8 +312,8 @@ class Tracker:
         first, last = self.profile
         self.say(f"profile of steps {first}..{last} written to {self.run_dir / 'profile'}")
 
-    def close(self, completed: bool = False, report: bool = False) -> None:
-        """Closes every sink (idempotent); with `report`, writes RUN_DIR/report.md, warning on failure."""
+    def close(self, completed: bool = False) -> None:
+        """Stops a trace still running and closes every sink (idempotent)."""
         if self.tracing:
             self._stop_trace()
         if self.bar is not None:
@@ -322,13 +322,6 @@ class Tracker:
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             sink.close(completed)
-        if report and self.enabled:
-            from jaxgpt.report import write_report
-            try:
-                write_report(self.run_dir)
-            except Exception as e:  # noqa: BLE001 - the run itself succeeded; the report is a courtesy
-                print(f"warning: could not write the run report: {type(e).__name__}: {e}", file=sys.stderr,
-                      flush=True)
 
 
 def run_info(cfg: Config, run_dir: Path, sizes: dict[str, int], devices: list[jax.Device], *, dtype: str,

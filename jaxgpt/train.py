@@ -70,6 +70,7 @@ from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, local_device, resolve_remat
 from jaxgpt.preemption import StopRequest
+from jaxgpt.report import write_report
 from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, kernels_in_traces, require_wandb, run_info
 
@@ -147,6 +148,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     devices = list(devices or distributed.ordered_devices())
     started = time.time()  # the start event's time: a session's wall time includes start-up
     sizes = validate(cfg, len(devices))
+    if cfg.checkpoint.init_from_hf:  # GPT-2 or Llama must hold the model: one line naming the keys neither does
+        hf.architecture(cfg.model)
     check_run_dir(run_dir)
     require_wandb(cfg.logging)
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
@@ -237,15 +240,26 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
         ckpt.wait()
         track.event("end", step=max(start, t.steps))
-        track.close(completed=True, report=True)
+        _close_and_report(track, completed=True)
     except (Preempted, Diverged):  # the loop wrote the event; the report says where it stopped
-        track.close(report=True)
+        _close_and_report(track)
         raise
     finally:
         stop.close()
         ckpt.close()
         track.close()
     return state
+
+
+def _close_and_report(track: Tracker, completed: bool = False) -> None:
+    """Closes the tracker's sinks, then (process 0) writes RUN_DIR/report.md, warning on failure."""
+    track.close(completed)
+    if not track.enabled:
+        return
+    try:
+        write_report(track.run_dir)
+    except Exception as e:  # noqa: BLE001 - the run itself succeeded; the report is a courtesy
+        print(f"warning: could not write the run report: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 class _Loop:

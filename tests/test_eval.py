@@ -1,4 +1,4 @@
-"""Issue 22: val_bpb and multiple-choice tasks, during training and from `python -m jaxgpt.eval`.
+"""Issue 22: val_bpb and multiple-choice tasks, during training and from `python -m jaxgpt.evaluate`.
 
 Exact arithmetic (a hand-built unigram model with a known answer, and the scorer against log-softmax
 of the model's whole logits), bits per byte against the bytes of the decoded text, lm-eval-harness's
@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_metrics, tiny_config
+from helpers import read_metrics, run_cli, tiny_config
 
-from jaxgpt import eval as eval_cli
+from jaxgpt.evaluate import cli as eval_cli
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer, accuracies, buckets
@@ -275,6 +275,12 @@ def test_eval_cli_gives_the_training_rows_numbers(run, capsys):
     last = [r for r in read_metrics(d / "run") if "val_loss" in r][-1]
     assert got == {"step": 4, "task/mc/examples": 4, "task/hs/examples": 2,
                    **{k: v for k, v in last.items() if k.startswith("task/")}}
+
+
+def test_the_command_is_python_m_jaxgpt_evaluate(tmp_path):
+    """One name for the CLI and its logic (issue 39): the package runs as a module; a bad option is one line."""
+    proc = run_cli(str(tmp_path), "--task", "x.jsonl", "--limit", "-1", module="jaxgpt.evaluate", timeout=120)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", "error: --limit must be >= 0, got -1\n")
 
 
 def test_transformers_on_the_hf_export_gives_the_same_scores(run, tmp_path):

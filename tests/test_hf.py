@@ -568,6 +568,15 @@ def test_llama_architecture_or_one_line_refusal(overrides, line):
     assert line in str(e.value) and "\n" not in str(e.value)
 
 
+def test_init_from_hf_is_refused_before_the_run_starts_where_no_class_holds_the_model(tmp_path):
+    """The check config.validate made through hf/ (an import circle, issue 39) is train's, still first."""
+    cfg = tiny_config("model.mlp=swiglu", "checkpoint.init_from_hf=x")
+    with pytest.raises(UserError) as e:
+        train(cfg, tmp_path / "run", jax.devices()[:1])
+    assert "nor can GPT2LMHeadModel, for model.mlp=swiglu" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+
+
 def test_llama_export_refuses_a_nanochat_model_in_one_line(tmp_path, capsys):
     """A relu2, parameter-free-norm run: `python -m jaxgpt.hf export` says why in one line, writes nothing."""
     from jaxgpt import hf

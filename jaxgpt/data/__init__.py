@@ -1,12 +1,15 @@
 """Token data: preparing it (streamed, sharded, resumable), loading it, mixing it.
 
     readers.py  input files (text, JSON Lines, Parquet) -> a stream of text pieces
-    corpus.py   prepare_corpus: pieces -> worker processes -> token shards (python -m jaxgpt.prepare)
     writer.py   shards, the resume state and meta.json, in an order that survives any kill
-    loader.py   prepared dirs -> memmapped token streams -> Grain windows -> per-process batches
-    mix.py      several prepared dirs with weights (data.mix) as one stream of windows
     integrity.py  token files checked against meta.json (size, sha256, token ids) before use
+    corpus.py   prepare_corpus: pieces -> worker processes -> token shards (python -m jaxgpt.prepare)
+    splits.py   a prepared dir's meta.json, checked; each split's memmapped token files as one sequence
     bundled.py  the bundled tiny shakespeare and the small in-memory single-file `prepare`
+    loader.py   token sequences -> Grain windows (one split's, or a weighted Mixture's) -> per-process batches
+    sources.py  data.path / data.mix -> checked prepared dirs -> a run's train and val splits
+
+Each file imports only those listed above it.
 """
 
 import importlib
@@ -14,11 +17,10 @@ import importlib
 # Resolved on first use (PEP 562), so that the tokenizer worker processes, which import this
 # package, do not pay for importing Grain.
 _WHERE = {"bundled_shakespeare_dir": "bundled", "prepare": "bundled", "prepare_corpus": "corpus",
-          "BUNDLED": "loader", "SPLITS": "loader", "ShardedTokens": "loader", "Windows": "loader",
-          "eval_batches": "loader", "load_meta": "loader", "load_split": "loader",
-          "resolve_data_dir": "loader", "train_iterator": "loader",
-          "Mixture": "mix", "describe_sources": "mix", "open_splits": "mix", "parse_mix": "mix",
-          "check_dir": "integrity"}
+          "SPLITS": "splits", "ShardedTokens": "splits", "load_meta": "splits", "load_split": "splits",
+          "Mixture": "loader", "Windows": "loader", "eval_batches": "loader", "train_iterator": "loader",
+          "BUNDLED": "sources", "describe_sources": "sources", "open_splits": "sources", "parse_mix": "sources",
+          "resolve_data_dir": "sources", "check_dir": "integrity"}
 __all__ = sorted(_WHERE)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxgpt import files, tokenizer
-from jaxgpt.data.loader import load_meta
+from jaxgpt.data.splits import load_meta
 from jaxgpt.errors import UserError
 
 _BUNDLED_TEXT = Path(__file__).parent.parent / "assets" / "tinyshakespeare.txt"

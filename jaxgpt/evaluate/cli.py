@@ -1,8 +1,8 @@
-"""`python -m jaxgpt.eval RUN_DIR --task [NAME=]PATH [--task [NAME=]PATH ...] [options]`: task accuracy of a checkpoint.
+"""`python -m jaxgpt.evaluate RUN_DIR --task [NAME=]PATH [--task [NAME=]PATH ...] [options]`: task accuracy of a checkpoint.
 
 Restores the newest readable checkpoint of a run (or a checkpoints dir), places its parameters on
 a mesh of all devices (`--mesh`, default every device on dp, sharded as in training by
-`sample.shard_params`) and scores each task file (jaxgpt/evaluate: formats, protocol, batching).
+`sample.shard_params`) and scores each task file (tasks.py: formats; score.py: protocol, batching).
 The task files are read and checked before any parameter is read. Prints one line per task, or
 with `--json` one JSON object with the metrics.jsonl field names (`task/NAME/acc`,
 `task/NAME/acc_norm`) plus `step` and, per task, `task/NAME/examples`. The same scores appear in
@@ -12,7 +12,6 @@ a training run's eval rows when the run sets `eval.tasks`.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
@@ -28,7 +27,7 @@ def _main(argv: Sequence[str] | None) -> None:
     from jaxgpt.sample import shard_params
     from jaxgpt.step import abstract_model
 
-    parser = ArgumentParser(prog="python -m jaxgpt.eval", description="Score multiple-choice tasks with a checkpoint.")
+    parser = ArgumentParser(prog="python -m jaxgpt.evaluate", description="Score multiple-choice tasks with a checkpoint.")
     parser.add_argument("run", type=path_arg, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
     parser.add_argument("--task", action="append", required=True, metavar="[NAME=]PATH",
                         help="a HellaSwag JSONL file or a {context, choices, label} JSONL file, named NAME in "
@@ -70,7 +69,3 @@ def _main(argv: Sequence[str] | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run_main(_main, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

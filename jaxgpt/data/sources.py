@@ -1,24 +1,49 @@
-"""Mixtures: several prepared directories sampled by weight as one stream of windows.
+"""What a run reads: data.path or data.mix -> checked prepared directories -> its train and val splits.
 
-`data.mix='web:0.7,code:0.3'` names prepared directories (or 'shakespeare') with weights. Each
-component's windows are shuffled with their own seed (derived from train.seed and the
-component's position) and repeated forever, then `grain.MapDataset.mix` interleaves them: it is a
-deterministic function of the index (element k comes from the component whose running count
-first falls behind its share), so the mixed stream is a MapDataset like a single split's and
-everything loader.py says about it holds unchanged: the same global batch for any process count,
-process p reads only its own local batches, and the iterator state (one index) resumes exactly.
-Grain turns the weights into integers (the smallest scaled to 100), so shares are exact to about
-1%. Evaluation mixes the components' val windows the same way, unshuffled.
+`data.path` names one prepared directory, or 'shakespeare' for the bundled corpus (bundled.py,
+prepared on first use). `data.mix='web:0.7,code:0.3'` names several with weights; their splits
+become `loader.Mixture`s (the weighted interleave is described there). Every token file is checked
+against its meta.json before use (integrity.py). `describe_sources` is what events.jsonl and
+report.md say a run trained on.
 """
 
 from pathlib import Path
 
-import grain
-import numpy as np
-
+from jaxgpt import files
+from jaxgpt.data.bundled import bundled_shakespeare_dir
 from jaxgpt.data.integrity import check_dir
-from jaxgpt.data.loader import Windows, load_meta, load_split, resolve_data_dir
+from jaxgpt.data.loader import Mixture
+from jaxgpt.data.splits import PREPARE_HINT, SPLITS, load_meta, load_split
 from jaxgpt.errors import UserError
+
+BUNDLED = "shakespeare"
+
+
+def resolve_data_dir(path: str) -> Path:
+    """"shakespeare" -> the bundled corpus; otherwise a prepared directory, checked."""
+    if path == BUNDLED:
+        return bundled_shakespeare_dir()
+    data_dir = Path(path).expanduser()
+    if not data_dir.is_dir():
+        kind = files.kind(data_dir)
+        there = "does not exist" if kind == "missing" else f"is {kind}, not a directory"
+        raise UserError(f"Data directory {data_dir} {there}; make it with "
+                        f"`{PREPARE_HINT}` or use '{BUNDLED}'.")
+    if (data_dir / "meta.json").exists() and "shards" in load_meta(data_dir):
+        names = [s["file"] for split in SPLITS for s in load_meta(data_dir)["shards"][split]]
+    else:
+        names = ["meta.json", "train.bin", "val.bin"]
+    missing = [n for n in names if not (data_dir / n).exists()]
+    if missing:
+        unfinished = " (an unfinished preparation: run the same prepare command to finish it)" \
+            if (data_dir / ".prepare-state.json").is_file() else ""
+        raise UserError(f"Data directory {data_dir} lacks {', '.join(missing[:3])}"
+                        f"{' and more' if len(missing) > 3 else ''}{unfinished}; make it with "
+                        f"`{PREPARE_HINT}`.")
+    for name in names:
+        files.require_file(data_dir / name, "data file")  # not a directory
+    load_meta(data_dir)
+    return data_dir
 
 
 def parse_mix(spec: str) -> list[tuple[str, float]]:
@@ -41,30 +66,6 @@ def parse_mix(spec: str) -> list[tuple[str, float]]:
         raise UserError(f"data.mix {spec!r} names a directory twice.")
     total = sum(w for _, w in parts)
     return [(n, w / total) for n, w in parts]
-
-
-class Mixture:
-    """One split of several prepared directories, with their weights."""
-
-    def __init__(self, names: list[str], parts: list, weights: list[float]):
-        self.names, self.parts, self.weights = names, parts, weights
-
-    def __len__(self) -> int:  # tokens in all components
-        return sum(len(p) for p in self.parts)
-
-    def describe(self) -> str:
-        return ",".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights))
-
-    def train_windows(self, seq_len: int, seed: int) -> grain.MapDataset:
-        components = [grain.MapDataset.source(Windows(p, seq_len))
-                      .shuffle(seed=int(np.random.SeedSequence([seed, i]).generate_state(1)[0]))
-                      .repeat(None)
-                      for i, p in enumerate(self.parts)]
-        return grain.MapDataset.mix(components, self.weights)
-
-    def eval_windows(self, seq_len: int) -> grain.MapDataset:
-        components = [grain.MapDataset.source(Windows(p, seq_len)).repeat(None) for p in self.parts]
-        return grain.MapDataset.mix(components, self.weights)
 
 
 def open_splits(path: str, mix: str = "", cache: Path | None = None):
