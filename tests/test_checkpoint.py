@@ -296,6 +296,35 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes(three_check
     assert _rows(three_checkpoints) == before
 
 
+def _truncate_largest_array_file(step_dir: Path) -> None:
+    largest = max((f for f in (step_dir / "state").glob("**/d/*") if f.is_file()), key=lambda f: f.stat().st_size)
+    largest.write_bytes(largest.read_bytes()[:100])
+
+
+def test_damaged_checkpoints_leave_only_their_warning_lines_every_time(three_checkpoints):
+    """Issue 39: a truncated array file makes Orbax abandon the step's other reads, whose coroutines,
+    closed whenever they are collected, printed "Exception ignored in: <coroutine object
+    _read_array_index_and_device_put>" tracebacks (from 1 to thousands of lines, differing from try to
+    try). Three re-runs of the finished run, each after new damage: the newest step's largest array
+    file truncated (twice), then that and the step before's state/_METADATA garbled. Every time
+    stderr holds exactly one warning line per skipped step, the run resumes from the newest good
+    step and exits 0."""
+    ckpts = three_checkpoints / "checkpoints"
+    args = ("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "checkpoint.every=2", "--mesh", "dp=8")
+    for damaged in (["6"], ["6"], ["6", "4"]):
+        _truncate_largest_array_file(ckpts / "6")
+        if "4" in damaged:
+            (ckpts / "4" / "state" / "_METADATA").write_text('{"tree_metadata": garbage')
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = proc.stderr.splitlines()
+        assert [line.split(":")[0] for line in lines] == ["warning"] * len(damaged), proc.stderr[-3000:]
+        for line, step in zip(lines, damaged):
+            assert line.startswith(f"warning: skipping checkpoint {ckpts / step}: "), line
+        assert f"resuming from step {4 if damaged == ['6'] else 2}" in proc.stdout
+    assert _restore(three_checkpoints).step == 6
+
+
 def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(three_checkpoints):
     """A run that stops says so in one line naming every step and why (no warning lines before it),
     and moves nothing."""
