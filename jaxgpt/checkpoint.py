@@ -52,12 +52,15 @@ leave up to a whole train state on disk).
 Reading a damaged checkpoint is noisy inside Orbax and TensorStore: Orbax runs each read in an
 asyncio loop that it closes when a read fails, and TensorStore's I/O threads then try to deliver
 the other reads' results to that closed loop, each raising "Event loop is closed" through
-`sys.unraisablehook`, dozens of times, from other threads, up to seconds later. The results are
-unwanted (the checkpoint is being skipped), so `_quiet_closed_loops` drops exactly that error
-from that hook, and asyncio's "Task exception was never retrieved" for TensorStore's failed reads
-(logged whenever the task is garbage-collected), for the life of the process; and each read attempt holds what is written to file
-descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt fails
-(its warning line replaces it), written out unchanged when it succeeds.
+`sys.unraisablehook`, dozens of times, from other threads, up to seconds later; and the reads
+still pending then are closed whenever they are garbage-collected, each printing its own
+"Exception ignored in: <coroutine object _read_array_index_and_device_put>" traceback with a
+~60-line TensorStore spec (`_abandoned_read`). The results are unwanted (the checkpoint is being
+skipped), so `_quiet_closed_loops` drops exactly those two errors from that hook, and asyncio's
+"Task exception was never retrieved" for TensorStore's failed reads (logged whenever the task is
+garbage-collected), for the life of the process; and each read attempt holds what is written to
+file descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt
+fails (its warning line replaces it), written out unchanged when it succeeds.
 
 With several processes, every process tries the same step and they agree: a step any process
 cannot read is skipped by all (a truncated shard may be visible to one host only), process 0 moves
@@ -489,10 +492,25 @@ class _UnreadableStepMetadata(logging.Filter):
         return False
 
 
+ORBAX_READ = "_read_array_index_and_device_put"  # Orbax's coroutine that reads one array slice
+
+
+def _abandoned_read(unraisable) -> bool:
+    """Whether an unraisable exception is an abandoned Orbax array read being closed: a coroutine
+    `ORBAX_READ` whose read was still pending when another read of the step failed, and which is
+    closed when it is garbage-collected, whenever that is. Its `except BaseException` turns the
+    close's GeneratorExit into an Exception (with TensorStore's whole spec) that nothing can receive,
+    so Python prints it as "Exception ignored in: <coroutine ...>" with a traceback."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return (code is not None and code.co_name == ORBAX_READ
+            and str(unraisable.exc_value).startswith("Encountered error while reading array index"))
+
+
 def _quiet_closed_loops() -> None:
-    """Drops "Event loop is closed" from sys.unraisablehook and TensorStore's never-retrieved read
-    tasks from the asyncio logger (see the module docstring), and turns Orbax's errors about an
-    unparsable step metadata file into one warning line; idempotent."""
+    """Drops "Event loop is closed" and abandoned reads being closed (`_abandoned_read`) from
+    sys.unraisablehook and TensorStore's never-retrieved read tasks from the asyncio logger (see
+    the module docstring), and turns Orbax's errors about an unparsable step metadata file into
+    one warning line; idempotent."""
     previous = sys.unraisablehook
     if getattr(previous, "jaxgpt_quiet", False):
         return
@@ -501,6 +519,8 @@ def _quiet_closed_loops() -> None:
 
     def hook(unraisable) -> None:
         if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+            return
+        if _abandoned_read(unraisable):
             return
         previous(unraisable)
 

@@ -50,7 +50,9 @@ within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more)
 single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
 chunk (its fsdp shards, as the input lookup gathers them; V stays on tp). Precision follows the
 model: logits, max, row sums and the accumulated dwte in fp32; e and x / s rounded to the compute
-dtype for the two gradient matmuls, which accumulate in fp32.
+dtype for the two gradient matmuls, which accumulate in fp32. On a CPU in bf16, dwte leaves the
+loop through an optimization barrier (`pins_dwte`: one chunk's GEMM with the transpose folded in
+is one XLA:CPU cannot run).
 
 With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
 reduces its own slice of the logits (XLA adds small all-reduces of [B, t] maxima and sums), and
