@@ -465,6 +465,12 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--device-memory-gib", type=float,
                         help="warn when a device needs more than this (default: the device's own, if it says)")
     parser.add_argument("--json", help="also write the plan to this file")
+    parser.add_argument("--search", action="store_true", help="with --target and --gpus: rank every mesh x "
+                        "model.remat x train.grad_accum by predicted step time (jaxgpt/gpu/search.py)")
+    parser.add_argument("--gpus-per-node", type=int, help="with --search: GPUs per node, which tp and ep stay "
+                        "inside (default 8)")
+    parser.add_argument("--compile-top", type=int, help="with --search: compile this many of the best "
+                        "estimates (default 6)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)
@@ -476,6 +482,10 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError("--gpus needs --target h100 or h200")
     if args.target is not None and args.fake_devices is not None:
         raise UserError("--target and --fake-devices are two different machines; give one")
+    if args.search:
+        _check_search(args)
+    elif args.gpus_per_node is not None or args.compile_top is not None:
+        raise UserError("--gpus-per-node and --compile-top are options of --search")
     if args.fake_devices is not None:
         _fake_devices(args.fake_devices)
     if args.target is not None:
@@ -484,6 +494,8 @@ def _main(argv: Sequence[str] | None) -> None:
         import jax
         devices = jax.devices()
     limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
+    if args.search:
+        return _search(args, cfg, devices, limit)
     from jaxgpt.gpu.target import device_memory_bytes
     from jaxgpt.model import remat
     memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(local_device(devices)))
@@ -498,6 +510,32 @@ def _main(argv: Sequence[str] | None) -> None:
         import json
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _check_search(args) -> None:
+    if args.target is None:
+        raise UserError("--search ranks layouts by the GPU step-time model: give --target h100 or h200 and --gpus N")
+    if args.mesh is not None:
+        raise UserError("--search chooses the mesh itself; drop --mesh")
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--compile-top", args.compile_top)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be positive, got {value}")
+
+
+def _search(args, cfg: Config, devices: Sequence, limit: int | None) -> None:
+    """--search: jaxgpt/gpu/search.py with this module's compile, then its table."""
+    from jaxgpt.gpu import search
+    result = search.search(cfg, len(devices), args.target, lambda c: plan(c, devices, limit, args.target),
+                           gpus_per_node=args.gpus_per_node or 8, compile_top=args.compile_top or 6,
+                           memory_bytes=limit, cache=files.cache_dir() / "plan-search", progress=search.say)
+    print(search.format_search(result, args.config or "shakespeare", args.target, len(devices), args.config,
+                               args.overrides), flush=True)
+    if args.json:
+        import json
+        with open(args.json, "w") as f:
+            json.dump(search.as_json(result), f, indent=1)
+    if result["interrupted"]:
+        raise KeyboardInterrupt
 
 
 def main(argv: Sequence[str] | None = None) -> int:
