@@ -97,7 +97,8 @@ def test_the_top_layouts_train(searched, rank, tmp_path, shakespeare_dir):
     (["--search"], "--search ranks layouts by the GPU step-time model: give --target"),
     (["--search", "--target", "h100", "--gpus", "8", "--mesh", "dp=8"], "--search chooses the mesh itself"),
     (["--search", "--target", "h100", "--gpus", "8", "--compile-top", "0"], "--compile-top must be positive"),
-    (["--target", "h100", "--gpus", "8", "--gpus-per-node", "4"], "are options of --search"),
+    (["--target", "h100", "--gpus", "8", "--compile-top", "4"], "--compile-top is an option of --search"),
+    (["--gpus-per-node", "4"], "--gpus-per-node needs --target"),
 ])
 def test_search_arguments_are_checked_in_one_line(capsys, args, says):
     assert plan.main(args) == 2

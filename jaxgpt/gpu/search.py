@@ -12,9 +12,11 @@ from the config and its overrides. The search has three stages:
    a dense model takes ep=1 (there ep would only be another name for dp).
 2. Prune with shapes alone (`analytic`): a lower bound on memory per GPU (the fp32 state sharded
    over fsdp x tp x pp, plus each layer's input for one micro-batch, what even remat=full keeps)
-   drops what cannot fit; a rough step time (FLOPs at a typical efficiency, recompute, the pipeline
-   bubble, a per-kernel overhead per micro-batch, and the ring traffic of tp, fsdp and dp over
-   NVLink inside a node or the network between nodes) orders the rest.
+   drops what cannot fit; the rest are ordered by whether an estimate of their memory (the state
+   and the activations the remat policy saves, `activation_bytes`) fits, then by a rough step time
+   (FLOPs at a typical efficiency, recompute, the pipeline bubble, a per-kernel overhead per
+   micro-batch, and the ring traffic of tp, fsdp and dp over NVLink inside a node or the network
+   between nodes).
 3. Compile the best `--compile-top` of that order with XLA:GPU for compile-only GPUs (the real
    train step, jaxgpt.plan), drop those whose compiled peak memory exceeds the GPU's, and rank the
    rest by the step-time model's prediction (jaxgpt/gpu/cost.py). Each compiled result is cached
@@ -50,7 +52,6 @@ STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and two AdamW moments
 TYPICAL_EFFICIENCY = 0.5     # of the bf16 peak, for a whole step's FLOPs
 RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # FLOPs relative to no recompute
 KERNELS_PER_LAYER = 40       # launches per layer per micro-batch, forward and backward
-NETWORK_BYTES_PER_S = 50e9   # between nodes, one direction per GPU: 400 Gb/s InfiniBand/RoCE
 
 
 class Candidate(NamedTuple):
@@ -118,8 +119,25 @@ def _ring(k: int) -> float:
     return 2 * (k - 1) / k
 
 
+def activation_bytes(cfg: Config, c: Candidate) -> float:
+    """Estimated bytes per GPU that one micro-batch's saved activations take, by remat policy: per
+    token and layer, the layer input (full), the matmul outputs (dots) or every intermediate
+    (none), the parts inside attention and the MLP split over tp. `none` matched llama-1b's
+    compiled fsdp=8 step (XLA's memory analysis, 2026-11-26) within 3%; full also holds one layer's
+    intermediates while it recomputes it."""
+    m, s = cfg.model, c.sizes
+    D, F, kv, tp = m.n_embd, m.mlp_width, 2 * m.kv_heads * m.head_dim, s["tp"]
+    up = 2 * F if m.mlp == "swiglu" else F
+    none = 3 * (5 * D + (2 * D + kv + 2 * up + F) / tp)  # bf16 and fp32 pieces: ~3 bytes per value
+    per_layer = {"full": 2 * D, "dots": 2 * (3 * D + (2 * D + kv + up) / tp), "none": none}[c.remat]
+    rows = cfg.train.batch_size // c.grad_accum // (s["dp"] * s["fsdp"] * s["ep"])
+    layers = m.n_layer // s["pp"]
+    return rows * m.seq_len * (layers * per_layer + (none if c.remat == "full" else 0))
+
+
 def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str, float]:
-    """Shapes-only estimates for candidate c: `floor_bytes` (a lower bound on memory per GPU) and
+    """Shapes-only estimates for candidate c: `floor_bytes` (a lower bound on memory per GPU: the
+    state and each layer's input), `bytes` (an estimate: the state and `activation_bytes`) and
     `seconds` (a rough step time, to order candidates; module docstring)."""
     from jaxgpt.config import pipeline_microbatches
     from jaxgpt.metrics import flops_per_token
@@ -136,7 +154,7 @@ def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str
     M = pipeline_microbatches(c.config(cfg), s)
     compute *= 1 + (s["pp"] - 1) / (cfg.pipeline.repeats * M)
     overhead = c.grad_accum * M * layers * KERNELS_PER_LAYER * 5e-6
-    link = {a: p.link_bytes_per_s if inside_node(s, a, gpus_per_node) else NETWORK_BYTES_PER_S for a in s}
+    link = {a: p.link_bytes_per_s if inside_node(s, a, gpus_per_node) else p.network_bytes_per_s for a in s}
     comm = 0.0
     if s["tp"] > 1:  # 4 all-reduces of the activations per layer and micro-batch (2 forward, 2 backward)
         act = rows * m.seq_len * m.n_embd * 2
@@ -146,22 +164,23 @@ def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str
         comm += c.grad_accum * shard * (2 + 2 + 4) * _ring(s["fsdp"]) / 2 / link["fsdp"]
     if s["dp"] > 1:  # one gradient all-reduce per step
         comm += 4 * P / (s["fsdp"] * s["tp"] * s["pp"]) * _ring(s["dp"]) / link["dp"]
-    return {"floor_bytes": floor, "seconds": compute + overhead + comm}
+    return {"floor_bytes": floor, "bytes": state + activation_bytes(cfg, c), "seconds": compute + overhead + comm}
 
 
-def _cache_key(cfg: Config, target: str, n: int, memory: int) -> str:
+def _cache_key(cfg: Config, target: str, n: int, memory: int, gpus_per_node: int) -> str:
     from jaxgpt.gpu import cost, perf
-    h = hashlib.sha256(json.dumps([cfg.to_dict(), target, n, memory, __version__], sort_keys=True,
+    h = hashlib.sha256(json.dumps([cfg.to_dict(), target, n, memory, gpus_per_node, __version__], sort_keys=True,
                                   default=str).encode())
     for module in (cost, perf):
         h.update(Path(module.__file__).read_bytes())
     return h.hexdigest()[:24]
 
 
-def compiled_row(cfg: Config, c: Candidate, target: str, n: int, memory: int, plan_fn: Callable[[Config], dict],
-                 cache: Path | None) -> tuple[dict[str, Any], bool]:
+def compiled_row(cfg: Config, c: Candidate, target: str, n: int, memory: int, gpus_per_node: int,
+                 plan_fn: Callable[[Config], dict], cache: Path | None) -> tuple[dict[str, Any], bool]:
     """(the compiled candidate's row, whether it came from the cache)."""
-    path = cache / f"{_cache_key(c.config(cfg), target, n, memory)}.json" if cache else None
+    key = _cache_key(c.config(cfg), target, n, memory, gpus_per_node)
+    path = cache / f"{key}.json" if cache else None
     if path and path.is_file():
         return json.loads(path.read_text()), True
     p = plan_fn(c.config(cfg))
@@ -169,8 +188,7 @@ def compiled_row(cfg: Config, c: Candidate, target: str, n: int, memory: int, pl
     row = {"step_seconds": e["step_seconds"], "tokens_per_sec": e["tokens_per_sec"], "mfu": e["mfu"],
            "peak_bytes": p["memory"]["peak"], "fits": p["fits"], "compile_seconds": p["compile_seconds"],
            "collective_seconds": e["groups"]["collectives"]["seconds"],
-           "collective_exposed_seconds": e.get("collectives_exposed_seconds",
-                                               e["groups"]["collectives"]["seconds"])}
+           "collective_exposed_seconds": e["collectives_exposed_seconds"]}
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -188,18 +206,19 @@ def search(cfg: Config, n: int, target: str, plan_fn: Callable[[Config], dict], 
     from jaxgpt.gpu import perf
     from jaxgpt.gpu import target as gpu_target
     memory = memory_bytes or gpu_target.device_memory_bytes(target)
-    device = perf.perf(target)
+    device = perf.perf(target, gpus_per_node)
     everything = candidates(cfg, n, gpus_per_node)
     estimates = {c.key(): analytic(cfg, c, device, gpus_per_node) for c in everything}
     fitting = [c for c in everything if estimates[c.key()]["floor_bytes"] <= memory]
-    order = sorted(fitting, key=lambda c: (estimates[c.key()]["seconds"], c.key()))
+    # those estimated to fit first, fastest first; then the doubtful ones, fastest first
+    order = sorted(fitting, key=lambda c: (estimates[c.key()]["bytes"] > memory, estimates[c.key()]["seconds"], c.key()))
     chosen = order[:compile_top]
     ranked, dropped, interrupted = [], [], False
     try:
         for i, c in enumerate(chosen, 1):
             progress(f"search: compiling {i}/{len(chosen)}: --mesh {c.mesh} model.remat={c.remat} "
                      f"train.grad_accum={c.grad_accum}")
-            row, cached = compiled_row(cfg, c, target, n, memory, plan_fn, cache)
+            row, cached = compiled_row(cfg, c, target, n, memory, gpus_per_node, plan_fn, cache)
             (ranked if row["fits"] else dropped).append((c, row))
             progress(f"search: {i}/{len(chosen)} {'(cached) ' if cached else ''}{1e3 * row['step_seconds']:,.1f} ms, "
                      f"{row['peak_bytes'] / GIB:.1f} GiB{'' if row['fits'] else ': does not fit'}")
@@ -251,3 +270,28 @@ def as_json(result: dict[str, Any]) -> dict[str, Any]:
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def check_args(args) -> None:
+    """jaxgpt.plan's arguments for --search: a UserError before anything compiles."""
+    if args.target is None:
+        raise UserError("--search ranks layouts by the GPU step-time model: give --target h100 or h200 and --gpus N")
+    if args.mesh is not None:
+        raise UserError("--search chooses the mesh itself; drop --mesh")
+    if args.compile_top is not None and args.compile_top < 1:
+        raise UserError(f"--compile-top must be positive, got {args.compile_top}")
+
+
+def run(args, n: int, plan_fn: Callable[[Config], dict], cfg: Config, memory_bytes: int | None) -> None:
+    """`python -m jaxgpt.plan --search ...` (args: jaxgpt.plan's): search, print the table, write --json;
+    after a Ctrl-C, the ranking so far and then KeyboardInterrupt (exit 130)."""
+    from jaxgpt.files import cache_dir
+    result = search(cfg, n, args.target, plan_fn, gpus_per_node=args.gpus_per_node or 8,
+                    compile_top=args.compile_top or 6, memory_bytes=memory_bytes,
+                    cache=cache_dir() / "plan-search", progress=say)
+    print(format_search(result, args.config or "shakespeare", args.target, n, args.config, args.overrides), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(as_json(result), f, indent=1)
+    if result["interrupted"]:
+        raise KeyboardInterrupt
