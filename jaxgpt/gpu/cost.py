@@ -7,7 +7,7 @@ the GPU would launch, one step's worth:
     kernel time = max(FLOPs / (peak x efficiency), bytes moved / (HBM bandwidth x efficiency))
                   + a per-launch overhead
 
-summed in program order (no overlap between kernels; one stream). Loops multiply: a kernel in a
+summed in program order (one stream; only async collectives overlap, below). Loops multiply: a kernel in a
 `while` body runs trip-count times (the layer scans inside the gradient-accumulation scan: 12 x
 16), the trip count read as jaxgpt.hlo reads it for collectives. The device constants (peaks,
 efficiencies, launch overhead, link bandwidth) are in jaxgpt/gpu/perf.py, the same for every
