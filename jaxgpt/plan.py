@@ -472,7 +472,7 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--gpus-per-node", type=int, help="with --target: GPUs per node (default 8); collectives "
                         "between nodes go over the network, and --search keeps tp and ep inside a node")
     parser.add_argument("--compile-top", type=int, help="with --search: compile this many of the best "
-                        "estimates (default 6)")
+                        "estimates (default 12)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)

@@ -12,12 +12,12 @@ from the config and its overrides. The search has three stages:
    a dense model takes ep=1 (there ep would only be another name for dp).
 2. Prune with shapes alone (`analytic`): a lower bound on memory per GPU (the fp32 state sharded
    over fsdp x tp x pp, plus each layer's input for one micro-batch, what even remat=full keeps)
-   drops what cannot fit; the rest are ordered by whether an estimate of their memory (the state
-   and the activations the remat policy saves, `activation_bytes`) fits, then by a rough step time
-   (FLOPs at a typical efficiency, recompute, the pipeline bubble, a per-kernel overhead per
-   micro-batch, and the ring traffic of tp, fsdp and dp over NVLink inside a node or the network
-   between nodes).
-3. Compile the best `--compile-top` of that order with XLA:GPU for compile-only GPUs (the real
+   drops what cannot fit; the rest are ordered, per remat policy, by whether an estimate of their
+   memory (the state and the activations the policy saves, `activation_bytes`) fits, then by a
+   rough step time (FLOPs at a typical efficiency, recompute, the pipeline bubble, a per-kernel
+   overhead per micro-batch, and the ring traffic of tp, fsdp and dp over NVLink inside a node or
+   the network between nodes), and the policies take turns (`pick`).
+3. Compile the first `--compile-top` of that order with XLA:GPU for compile-only GPUs (the real
    train step, jaxgpt.plan), drop those whose compiled peak memory exceeds the GPU's, and rank the
    rest by the step-time model's prediction (jaxgpt/gpu/cost.py). Each compiled result is cached
    on disk (JAXGPT_CACHE, else ~/.cache/jaxgpt, `plan-search/`), keyed by the config, target, GPU
@@ -197,8 +197,20 @@ def compiled_row(cfg: Config, c: Candidate, target: str, n: int, memory: int, gp
     return row, False
 
 
+def pick(fitting: list[Candidate], estimates: dict[str, dict], memory: int, k: int) -> list[Candidate]:
+    """The k candidates to compile: per remat policy, those estimated to fit first, then by the rough
+    step time; the policies taken in turn (none, dots, full, none, ...), because the rough time
+    knows least about what recompute and XLA's own rematerialisation cost."""
+    def order(c: Candidate):
+        e = estimates[c.key()]
+        return e["bytes"] > memory, e["seconds"], c.key()
+    queues = [sorted((c for c in fitting if c.remat == r), key=order) for r in REMATS]
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*queues))
+    return [c for c in turns if c is not None][:k]
+
+
 def search(cfg: Config, n: int, target: str, plan_fn: Callable[[Config], dict], *, gpus_per_node: int = 8,
-           compile_top: int = 6, memory_bytes: int | None = None, cache: Path | None = None,
+           compile_top: int = 12, memory_bytes: int | None = None, cache: Path | None = None,
            progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
     """The ranked layouts: {'ranked': [(Candidate, row)], 'dropped': [...], 'counts': {...},
     'interrupted': bool}. plan_fn(cfg) compiles cfg's step for the n compile-only GPUs and says
@@ -210,9 +222,7 @@ def search(cfg: Config, n: int, target: str, plan_fn: Callable[[Config], dict], 
     everything = candidates(cfg, n, gpus_per_node)
     estimates = {c.key(): analytic(cfg, c, device, gpus_per_node) for c in everything}
     fitting = [c for c in everything if estimates[c.key()]["floor_bytes"] <= memory]
-    # those estimated to fit first, fastest first; then the doubtful ones, fastest first
-    order = sorted(fitting, key=lambda c: (estimates[c.key()]["bytes"] > memory, estimates[c.key()]["seconds"], c.key()))
-    chosen = order[:compile_top]
+    chosen = pick(fitting, estimates, memory, compile_top)
     ranked, dropped, interrupted = [], [], False
     try:
         for i, c in enumerate(chosen, 1):
@@ -287,7 +297,7 @@ def run(args, n: int, plan_fn: Callable[[Config], dict], cfg: Config, memory_byt
     after a Ctrl-C, the ranking so far and then KeyboardInterrupt (exit 130)."""
     from jaxgpt.files import cache_dir
     result = search(cfg, n, args.target, plan_fn, gpus_per_node=args.gpus_per_node or 8,
-                    compile_top=args.compile_top or 6, memory_bytes=memory_bytes,
+                    compile_top=args.compile_top or 12, memory_bytes=memory_bytes,
                     cache=cache_dir() / "plan-search", progress=say)
     print(format_search(result, args.config or "shakespeare", args.target, n, args.config, args.overrides), flush=True)
     if args.json:
