@@ -19,7 +19,8 @@ from the config and its overrides. The search has three stages:
    the network between nodes), and the policies take turns (`pick`).
 3. Compile the first `--compile-top` of that order with XLA:GPU for compile-only GPUs (the real
    train step, jaxgpt.plan), drop those whose compiled peak memory exceeds the GPU's, and rank the
-   rest by the step-time model's prediction (jaxgpt/gpu/cost.py). Each compiled result is cached
+   rest by the step-time model's prediction (jaxgpt/gpu/cost.py); a candidate XLA cannot compile
+   is listed with its error. Each compiled result is cached
    on disk (JAXGPT_CACHE, else ~/.cache/jaxgpt, `plan-search/`), keyed by the config, target, GPU
    count and the sources of the cost model, so a second search compiles only what is new.
 
@@ -228,7 +229,12 @@ def search(cfg: Config, n: int, target: str, plan_fn: Callable[[Config], dict], 
         for i, c in enumerate(chosen, 1):
             progress(f"search: compiling {i}/{len(chosen)}: --mesh {c.mesh} model.remat={c.remat} "
                      f"train.grad_accum={c.grad_accum}")
-            row, cached = compiled_row(cfg, c, target, n, memory, gpus_per_node, plan_fn, cache)
+            try:
+                row, cached = compiled_row(cfg, c, target, n, memory, gpus_per_node, plan_fn, cache)
+            except (UserError, RuntimeError) as e:  # XLA's compile errors are RuntimeErrors
+                dropped.append((c, {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:160]}))
+                progress(f"search: {i}/{len(chosen)} failed: {dropped[-1][1]['error']}")
+                continue
             (ranked if row["fits"] else dropped).append((c, row))
             progress(f"search: {i}/{len(chosen)} {'(cached) ' if cached else ''}{1e3 * row['step_seconds']:,.1f} ms, "
                      f"{row['peak_bytes'] / GIB:.1f} GiB{'' if row['fits'] else ': does not fit'}")
@@ -263,7 +269,8 @@ def format_search(result: dict[str, Any], name: str, target: str, n: int, config
                      f"{r['tokens_per_sec'] or 0:>12,.0f}{mfu:>7}{r['peak_bytes'] / GIB:>9.1f}"
                      f"{1e3 * r['collective_seconds']:>9,.1f}{1e3 * r['collective_exposed_seconds']:>11,.1f}")
     for c, r in result["dropped"]:
-        lines.append(f" -  {c.mesh:<28}{c.remat:<7}{c.grad_accum:>6}   does not fit: {r['peak_bytes'] / GIB:.1f} GiB")
+        why = f"error: {r['error']}" if "error" in r else f"does not fit: {r['peak_bytes'] / GIB:.1f} GiB"
+        lines.append(f" -  {c.mesh:<28}{c.remat:<7}{c.grad_accum:>6}   {why}")
     if result["ranked"]:
         lines += ["", "fastest: " + train_command(config, overrides, result["ranked"][0][0])]
     else:
