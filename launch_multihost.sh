@@ -12,25 +12,32 @@
 #   ./launch_multihost.sh --slurm [--per-gpu] [--max-restarts R] -- [train args]
 #       Inside an sbatch allocation: srun starts one task per node (or per GPU with --per-gpu);
 #       JAX reads the SLURM variables. See scripts/slurm_example.sbatch.
+#   ./launch_multihost.sh --k8s --nodes N --gpus-per-node G --pvc CLAIM [--image IMAGE] [--name NAME]
+#                         [--max-restarts R] [--dry-run] -- [train args]
+#       Kubernetes: a JobSet of N pods x G GPUs (jaxgpt/parallel/jobset.py), applied with kubectl, or
+#       printed with --dry-run. The run dir is on the PersistentVolumeClaim CLAIM (ReadWriteMany),
+#       mounted at /runs; JobSet restarts the whole group up to R times (below).
 #
 # --max-restarts R (default 0), as torchrun's: when a process fails, the others stop within the
 # heartbeat timeout (JAXGPT_HEARTBEAT_TIMEOUT, default 60 s; any still running 30 s after that are
 # killed), then the whole group is started again, up to R times, and resumes from its newest
 # checkpoint. --local restarts its N processes; by hand, each host's launcher restarts its own
-# process and they meet again at COORDINATOR_ADDRESS; --slurm runs srun again. No restart after
+# process and they meet again at COORDINATOR_ADDRESS; --slurm runs srun again; under --k8s JobSet
+# recreates every pod (failurePolicy.maxRestarts), and exit 75 (a pod evicted with a checkpoint
+# saved) replaces that pod without counting as a restart. No restart after
 # exit 0, 2 (bad input: it would fail again), 3 (the loss diverged: it would again, from the same
 # checkpoint), 75 (stopped on request) or when the launcher itself gets SIGINT/SIGTERM (passed on:
 # the processes save at the step they agree on and exit 75, as the launcher then does). Each
 # restart is recorded in RUN_DIR/events.jsonl (`restart`) and in the run report.
 #
 # On GPU it sets the XLA and NCCL flags below unless they are already in the environment; set
-# JAXGPT_NO_GPU_FLAGS=1 to start from a clean XLA_FLAGS instead.
+# JAXGPT_NO_GPU_FLAGS=1 to start from a clean XLA_FLAGS instead. --k8s gives the pods these flags.
 set -euo pipefail
 
 fail() { echo "error: $*" >&2; exit 2; }
 value() { [[ $# -ge 2 && "$2" != --* ]] || fail "$1 needs a value (see --help)"; }
-set_mode() { [[ $mode == manual || $mode == "$1" ]] || fail "--local and --slurm are two ways to launch; give one"; mode=$1; }
-mode=manual nlocal=0 per_gpu=0 devices_per_process=4 max_restarts=0
+set_mode() { [[ $mode == manual || $mode == "$1" ]] || fail "--local, --slurm and --k8s are ways to launch; give one"; mode=$1; }
+mode=manual nlocal=0 per_gpu=0 devices_per_process=4 max_restarts=0 dry_run=0 k8s_args=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --local) value "$@"; set_mode local; nlocal="$2"; shift 2 ;;
@@ -38,8 +45,11 @@ while [[ $# -gt 0 ]]; do
     --slurm) set_mode slurm; shift ;;
     --max-restarts) value "$@"; max_restarts="$2"; shift 2 ;;
     --per-gpu) per_gpu=1; shift ;;
+    --k8s) set_mode k8s; shift ;;
+    --nodes|--gpus-per-node|--image|--pvc|--name) value "$@"; k8s_args+=("$1" "$2"); shift 2 ;;
+    --dry-run) dry_run=1; shift ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     *) echo "error: unknown option '$1' (see --help); put train arguments after --" >&2; exit 2 ;;
   esac
 done
@@ -48,6 +58,9 @@ PYTHON="${PYTHON:-python}"
 [[ "$devices_per_process" =~ ^[1-9][0-9]{0,3}$ ]] && (( devices_per_process <= 2048 )) ||
   fail "--devices-per-process needs a count from 1 to 2048, got '$devices_per_process'"
 [[ $per_gpu == 0 || $mode != local ]] || fail "--per-gpu is for GPU hosts (--slurm or by hand); --local runs CPU processes"
+[[ $per_gpu == 0 || $mode != k8s ]] || fail "--per-gpu is not for --k8s: each pod runs one process with all its GPUs"
+[[ ${#k8s_args[@]} == 0 && $dry_run == 0 || $mode == k8s ]] ||
+  fail "--nodes, --gpus-per-node, --image, --pvc, --name and --dry-run are options of --k8s"
 heartbeat="${JAXGPT_HEARTBEAT_TIMEOUT:-60}"
 
 gpu_flags() {
@@ -194,6 +207,21 @@ attempt_slurm() {
 }
 
 case "$mode" in
+  k8s)
+    # The pods get the flags a GPU host gets here, and only those (not this machine's XLA_FLAGS).
+    (( dry_run )) || command -v kubectl >/dev/null ||
+      fail "--k8s needs kubectl to apply the JobSet (or --dry-run to print it): install kubectl and point it at the cluster"
+    unset XLA_FLAGS NCCL_NVLS_ENABLE NCCL_IB_QPS_PER_CONNECTION XLA_PYTHON_CLIENT_MEM_FRACTION
+    gpu_flags
+    pod_env=()
+    for v in XLA_FLAGS NCCL_NVLS_ENABLE NCCL_IB_QPS_PER_CONNECTION XLA_PYTHON_CLIENT_MEM_FRACTION; do
+      [[ -z "${!v:-}" ]] || pod_env+=(--env "$v=${!v# }")
+    done
+    manifest=$("$PYTHON" -m jaxgpt.parallel.jobset "${k8s_args[@]}" --max-restarts "$max_restarts" \
+      "${pod_env[@]+"${pod_env[@]}"}" -- "$@") || exit $?
+    if (( dry_run )); then printf '%s\n' "$manifest"; exit 0; fi
+    printf '%s\n' "$manifest" | kubectl apply -f -
+    ;;
   local)
     [[ "$nlocal" =~ ^[1-9][0-9]{0,2}$ ]] && (( nlocal <= 64 )) ||
       fail "--local needs a process count from 1 to 64 (processes on this machine), got '$nlocal'"

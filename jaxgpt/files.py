@@ -328,3 +328,12 @@ def read_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
     if not isinstance(tree, dict):
         raise UserError(f"{what} {path} holds a YAML {type(tree).__name__}, not a mapping of keys to values")
     return tree
+
+
+def cache_dir() -> Path:
+    """jaxgpt's cache directory: JAXGPT_CACHE, else $XDG_CACHE_HOME/jaxgpt, else ~/.cache/jaxgpt."""
+    if "JAXGPT_CACHE" in os.environ:
+        return Path(os.environ["JAXGPT_CACHE"])
+    if "XDG_CACHE_HOME" in os.environ:
+        return Path(os.environ["XDG_CACHE_HOME"]) / "jaxgpt"
+    return Path.home() / ".cache" / "jaxgpt"

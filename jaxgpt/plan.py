@@ -45,6 +45,7 @@ from jaxgpt import files, hlo
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import POSITIVE, Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
+from jaxgpt.gpu import search
 
 GIB, MIB = 2**30, 2**20
 # Bandwidth in one direction, bytes/s: what one device's sends can use.
@@ -292,11 +293,12 @@ def _not_fp8(text: str) -> list[str]:
 
 
 def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
-         target: str | None = None) -> dict[str, Any]:
+         target: str | None = None, gpus_per_node: int = 8) -> dict[str, Any]:
     """Compiles cfg's train step for `devices` without running it; everything the plan prints.
 
     device_memory_bytes: what one device has (default: the target's, else its memory_stats()).
     target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target).
+    gpus_per_node: with a target, which collectives cross nodes (jaxgpt/gpu/cost.py).
     """
     import jax
     import numpy as np
@@ -308,7 +310,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
     if target:  # a step-time model of XLA:GPU's program on that GPU (jaxgpt/gpu/cost.py)
         from jaxgpt.gpu import cost, perf
         from jaxgpt.metrics import flops_per_token
-        predicted = cost.estimate(text, perf.perf(target), len(devices), cfg.train.batch_size * cfg.model.seq_len,
+        predicted = cost.estimate(text, perf.perf(target, gpus_per_node), len(devices), cfg.train.batch_size * cfg.model.seq_len,
                                   flops_per_token(cfg.model))
     params = per_device_bytes(state.params)
     if device_memory_bytes is None:
@@ -465,6 +467,12 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("--device-memory-gib", type=float,
                         help="warn when a device needs more than this (default: the device's own, if it says)")
     parser.add_argument("--json", help="also write the plan to this file")
+    parser.add_argument("--search", action="store_true", help="with --target and --gpus: rank every mesh x "
+                        "model.remat x train.grad_accum by predicted step time (jaxgpt/gpu/search.py)")
+    parser.add_argument("--gpus-per-node", type=int, help="with --target: GPUs per node (default 8); collectives "
+                        "between nodes go over the network, and --search keeps tp and ep inside a node")
+    parser.add_argument("--compile-top", type=int, help="with --search: compile this many of the best "
+                        "estimates (default 12)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)
@@ -476,6 +484,12 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError("--gpus needs --target h100 or h200")
     if args.target is not None and args.fake_devices is not None:
         raise UserError("--target and --fake-devices are two different machines; give one")
+    if args.search:
+        search.check_args(args)
+    elif args.compile_top is not None:
+        raise UserError("--compile-top is an option of --search")
+    if args.gpus_per_node is not None and (args.target is None or args.gpus_per_node < 1):
+        raise UserError(f"--gpus-per-node needs --target and a positive count, got {args.gpus_per_node}")
     if args.fake_devices is not None:
         _fake_devices(args.fake_devices)
     if args.target is not None:
@@ -484,11 +498,15 @@ def _main(argv: Sequence[str] | None) -> None:
         import jax
         devices = jax.devices()
     limit = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
+    if args.search:
+        return search.run(args, len(devices), lambda c: plan(c, devices, limit, args.target, args.gpus_per_node or 8),
+                          cfg, limit)
     from jaxgpt.gpu.target import device_memory_bytes
     from jaxgpt.model import remat
     memory = limit or (device_memory_bytes(args.target) if args.target else device_memory(local_device(devices)))
-    cfg, remat_why, result = remat.resolve(cfg, memory, lambda c: plan(c, devices, limit, args.target))
-    result = result or plan(cfg, devices, limit, args.target)
+    per_node = args.gpus_per_node or 8
+    cfg, remat_why, result = remat.resolve(cfg, memory, lambda c: plan(c, devices, limit, args.target, per_node))
+    result = result or plan(cfg, devices, limit, args.target, per_node)
     result["remat_why"] = remat_why
     print(format_plan(result, args.config or "shakespeare", cfg), flush=True)
     if result["fits"] is False:

@@ -191,3 +191,63 @@ def test_attention_efficiency_is_linear_in_head_dim_between_the_measured_points(
     for points in (h100.attention_forward_efficiency, h100.attention_backward_efficiency):
         assert attention_efficiency(points, 64) < attention_efficiency(points, 128) <= 0.5
     assert attention_efficiency(h100.attention_backward_efficiency, 64) < attention_efficiency(h100.attention_forward_efficiency, 64)
+
+
+def test_replica_groups_read_explicit_and_iota_forms():
+    assert cost.replica_groups("all-reduce(%g), replica_groups={{0,2},{1,3}}, to_apply=%sum", 4) == [[0, 2], [1, 3]]
+    # [2,4]<=[4,2]T(1,0): iota(8) as 4x2, transposed: the groups take every other device
+    assert cost.replica_groups("all-gather(%g), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}", 8) == \
+        [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert cost.replica_groups("all-gather(%g), replica_groups=[2,8]<=[16], dimensions={0}", 16) == \
+        [list(range(8)), list(range(8, 16))]
+    assert cost.replica_groups("all-reduce(%g), replica_groups={}, to_apply=%sum", 4) == [[0, 1, 2, 3]]
+    # 16 GPUs in 2 nodes of 8: contiguous blocks of 8 stay inside; stride-8 pairs cross
+    assert not cost.spans_nodes("x, replica_groups=[2,8]<=[16], y", 16, 8)
+    assert cost.spans_nodes("x, replica_groups=[8,2]<=[2,8]T(1,0), y", 16, 8)
+
+
+P_NODES = P._replace(gpus_per_node=2, network_bytes_per_s=1e8, link_latency_seconds=1e-7,
+                     network_latency_seconds=1e-6)
+
+
+def test_a_collective_across_nodes_takes_the_network_and_its_latency():
+    line = "ROOT %ar = f32[1000]{0} all-reduce(%g), replica_groups={{0,1,2,3}}, to_apply=%sum"
+    text = f"ENTRY %main (g: f32[1000]) -> f32[1000] {{\n  %g = f32[1000]{{0}} parameter(0)\n  {line}\n}}\n"
+    (k,), _ = cost.kernels(text, P_NODES, n_devices=4)  # 4 GPUs in 2 nodes
+    assert k.seconds == pytest.approx(6000 / 1e8 + 6 * 1e-6 + 1e-6)
+    (k,), _ = cost.kernels(text.replace("{{0,1,2,3}}", "{{0,1},{2,3}}"), P_NODES, n_devices=4)  # inside each node
+    assert k.seconds == pytest.approx(4000 / 1e9 + 2 * 1e-7 + 1e-6)  # 2 x (2-1)/2 x 4000 bytes
+
+
+OVERLAP = """HloModule m
+
+%add_computation (a: f32[250000], b: f32[250000]) -> f32[250000] {
+  %a = f32[250000]{0} parameter(0)
+  %b = f32[250000]{0} parameter(1)
+  ROOT %add = f32[250000]{0} add(%a, %b)
+}
+
+ENTRY %main (w: f32[1000], x: f32[250000]) -> (f32[4000], f32[250000]) {
+  %w = f32[1000]{0} parameter(0)
+  %x = f32[250000]{0} parameter(1)
+  %ags = (f32[1000]{0}, f32[4000]{0}) all-gather-start(%w), replica_groups={{0,1,2,3}}, dimensions={0}
+  %add.1 = f32[250000]{0} fusion(%x, %x), kind=kLoop, calls=%add_computation
+  %agd = f32[4000]{0} all-gather-done(%ags)
+  ROOT %t = (f32[4000]{0}, f32[250000]{0}) tuple(%agd, %add.1)
+}
+"""
+
+
+def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
+    """all-gather of 16 kB over 4 GPUs: 12 kB on the wire, 12 us at 1 GB/s; the fusion between its
+    start and done moves 3 MB, 3 ms: the collective is hidden but for its launch. Moved after
+    the done, nothing hides it."""
+    e = cost.estimate(OVERLAP, P, n_devices=4)
+    ks, _ = cost.kernels(OVERLAP, P, n_devices=4)
+    collective = next(k for k in ks if k.group == cost.COLLECTIVE)
+    assert e["collectives_hidden_seconds"] == pytest.approx(collective.seconds - 1e-6)
+    assert e["step_seconds"] == pytest.approx(sum(k.seconds for k in ks) - e["collectives_hidden_seconds"])
+    serial = OVERLAP.replace("  %add.1 = f32[250000]{0} fusion(%x, %x), kind=kLoop, calls=%add_computation\n", "")
+    serial = serial.replace("  %agd = f32[4000]{0} all-gather-done(%ags)\n", "  %agd = f32[4000]{0} all-gather-done(%ags)\n"
+                            "  %add.1 = f32[250000]{0} fusion(%x, %x), kind=kLoop, calls=%add_computation\n")
+    assert cost.estimate(serial, P, n_devices=4)["collectives_hidden_seconds"] == 0

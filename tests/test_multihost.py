@@ -15,6 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
+import yaml
 from helpers import REPO, TINY, read_metrics, train_losses, tiny_config
 
 from jaxgpt.checkpoint import Checkpointer
@@ -167,6 +168,37 @@ def _start_two(run_dir) -> list[subprocess.Popen]:
     return procs
 
 
+def test_jobset_pods_start_from_the_environment_kubernetes_gives_them(one_process_reference, tmp_path):
+    """The JobSet that `launch_multihost.sh --k8s` renders, run as Kubernetes would run its 2 pods:
+    each process gets the container's command, args and env, with the downward-API fields resolved
+    (JobSet's coordinator annotation, here this machine's address standing in for pod 0's DNS name;
+    restart attempt 0), the Job controller's JOB_COMPLETION_INDEX and a pod's KUBERNETES_SERVICE_HOST,
+    and the volume at /runs. Nothing else is set: they find each other and train like one process,
+    without JAX's own Kubernetes detection (which would ask the Kubernetes API)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    rendered = subprocess.run(["bash", "launch_multihost.sh", "--k8s", "--dry-run", "--nodes", "2", "--gpus-per-node", "4",
+                               "--pvc", "runs", "--", "--mesh", MESH, *RUN, "train.steps=8"],
+                              cwd=REPO, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    [rjob] = yaml.safe_load(rendered.stdout)["spec"]["replicatedJobs"]
+    [container] = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    annotations = {"jobset.sigs.k8s.io/coordinator": "127.0.0.1", "jobset.sigs.k8s.io/restart-attempt": "0"}
+    pod_env = {}
+    for e in container["env"]:
+        path = e["valueFrom"]["fieldRef"]["fieldPath"] if "valueFrom" in e else None
+        pod_env[e["name"]] = annotations[path.split("'")[1]] if path else e["value"]
+    pod_env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"  # 4 CPU devices stand in for a pod's GPUs
+    pod_env.update(KUBERNETES_SERVICE_HOST="10.96.0.1", JAX_PLATFORMS="cpu", JAX_COORDINATOR_PORT=str(_free_port()))
+    assert container["command"][0] == "python"
+    argv = [sys.executable, *container["command"][1:], *[a.replace("/runs", str(tmp_path)) for a in container["args"]]]
+    procs = [subprocess.Popen(argv, cwd=REPO, env={**env, **pod_env, "JOB_COMPLETION_INDEX": str(i)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    assert not any("Kubernetes environment detected" in err for _, err in outs)
+    np.testing.assert_allclose(train_losses(tmp_path / "jaxgpt"), one_process_reference, rtol=0, atol=LOSS_ATOL)
+
+
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     procs = _start_two(tmp_path)
     procs[1].send_signal(signal.SIGTERM)
@@ -239,7 +271,7 @@ def test_a_bad_multi_process_environment_is_one_line(monkeypatch, env, says):
     (["--local"], "--local needs a value"),  # was bash's "$2: unbound variable"
     (["--local", "99999999999999999999", "--", "--help"], "from 1 to 64"),  # bash's arithmetic wrapped: 650+ processes
     (["--local", "1", "--devices-per-process", "abc", "--"], "--devices-per-process needs a count"),  # was XLA's fatal
-    (["--local", "1", "--slurm", "--"], "two ways to launch"),
+    (["--local", "1", "--slurm", "--"], "are ways to launch; give one"),
     (["--local", "1", "--per-gpu", "--"], "--per-gpu is for GPU hosts"),
 ])
 def test_launcher_arguments_are_checked_in_one_line(args, says):

@@ -142,12 +142,7 @@ def _write_atomically(out_dir: Path, files: dict[str, bytes]) -> None:
 
 def bundled_shakespeare_dir() -> Path:
     """Tiny shakespeare (90/10 split), prepared on first use in the jaxgpt cache directory."""
-    if "JAXGPT_CACHE" in os.environ:
-        cache = Path(os.environ["JAXGPT_CACHE"])
-    elif "XDG_CACHE_HOME" in os.environ:
-        cache = Path(os.environ["XDG_CACHE_HOME"]) / "jaxgpt"
-    else:
-        cache = Path.home() / ".cache" / "jaxgpt"
+    cache = files.cache_dir()
     digest = hashlib.sha256(_BUNDLED_TEXT.read_bytes())
     digest.update(tokenizer.vocab_sha256().encode())
     out_dir = cache / f"shakespeare-{digest.hexdigest()[:12]}"

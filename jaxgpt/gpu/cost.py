@@ -7,7 +7,7 @@ the GPU would launch, one step's worth:
     kernel time = max(FLOPs / (peak x efficiency), bytes moved / (HBM bandwidth x efficiency))
                   + a per-launch overhead
 
-summed in program order (no overlap between kernels; one stream). Loops multiply: a kernel in a
+summed in program order (one stream; only async collectives overlap, below). Loops multiply: a kernel in a
 `while` body runs trip-count times (the layer scans inside the gradient-accumulation scan: 12 x
 16), the trip count read as jaxgpt.hlo reads it for collectives. The device constants (peaks,
 efficiencies, launch overhead, link bandwidth) are in jaxgpt/gpu/perf.py, the same for every
@@ -29,7 +29,15 @@ What a kernel is, and what it costs
 - Any other fusion, copy or unfused op: bytes only. A fusion reads each operand whole, except one
   it only slices (a scan reading layer l of stacked weights reads that slice) or updates in place
   (dynamic-update-slice into a scan's stacked outputs writes only the update).
-- Collectives: wire bytes (ring algorithms, jaxgpt.hlo) over the link bandwidth, not overlapped.
+- Collectives: wire bytes (ring algorithms, jaxgpt.hlo) over the link bandwidth of where the
+  replica groups live: NVLink when every group lies inside one node (device id // gpus_per_node:
+  a deviceless compile numbers the devices in the mesh's process order), the network (InfiniBand /
+  RoCE, one NIC per GPU) when a group spans nodes; each collective also pays the link's latency
+  per ring step (2(n-1) for an all-reduce, n-1 otherwise).
+- Overlap: only where XLA's schedule overlaps. An async collective (`*-start` ... `*-done`) runs
+  while the kernels scheduled between its start and its done run; collectives in flight share
+  the link in the order they started. What the compute between them covers is hidden; the rest,
+  and every synchronous collective, is exposed and adds to the step.
 
 Groups
 ------
@@ -41,8 +49,8 @@ sums), optimizer update (outside every loop and the model: clipping, AdamW), dat
 (fusions that only copy, cast, transpose, slice or fill: zero-init of scan buffers, layout
 changes, bf16 weight copies), collectives, other (loop conditions, unknown custom calls).
 
-Known blind spots: kernels on other streams are serialised (an upper bound where XLA overlaps
-async work), cache reuse between kernels is ignored (a lower bound's opposite: small operands
+Known blind spots: kernels other than async collectives are serialised (an upper bound where XLA
+overlaps other async work), cache reuse between kernels is ignored (a lower bound's opposite: small operands
 that stay in the 50 MiB L2 are charged to HBM), and elementwise FLOPs are not counted.
 """
 
@@ -233,6 +241,20 @@ class _Walker:
         self.p, self.n_devices = p, n_devices
         self.kernels: list[Kernel] = []
         self.unknown_trips: list[str] = []
+        # async collectives started and not yet done: name -> [seconds left per execution, executions]
+        self.inflight: dict[str, list[float]] = {}
+        self.hidden_seconds = 0.0  # collective time the compute between start and done covered
+
+    def _overlap(self, k: Kernel) -> None:
+        """Compute kernel k runs while the collectives in flight move data (in the order they started)."""
+        spare = k.seconds * k.times  # over every execution of k
+        for c in self.inflight.values():
+            if spare <= 0:
+                break
+            used = min(c[0], spare / c[1])
+            c[0] -= used
+            spare -= used * c[1]
+            self.hidden_seconds += used * c[1]
 
     def _all(self, name: str, seen: set | None = None) -> list[Instr]:
         """A fused computation's instructions and those of computations it calls (nested fusions)."""
@@ -252,7 +274,10 @@ class _Walker:
         types = {i.name: i.shape for i in self.comps[name]}
         for i in self.comps[name]:
             op = i.opcode
-            if op in _FREE or op.endswith("-done") or op == "async-update":
+            if op.endswith("-done"):
+                self.inflight.pop(i.operands[0] if i.operands else "", None)
+                continue
+            if op in _FREE or op == "async-update":
                 continue
             if op == "while":
                 trips = hlo._trip_count(i.line, self.texts)
@@ -271,6 +296,10 @@ class _Walker:
             else:
                 k = self._kernel(i, types, times, depth)
                 self.kernels.append(k._replace(group=OTHER) if condition else k)  # a loop's test
+                if k.group == COLLECTIVE and op.endswith("-start"):
+                    self.inflight[i.name] = [k.seconds - self.p.launch_seconds, times]
+                elif k.group != COLLECTIVE:
+                    self._overlap(k)
 
     def _kernel(self, i: Instr, types: dict[str, str], times: int, depth: int) -> Kernel:
         p, op = self.p, i.opcode
@@ -283,7 +312,13 @@ class _Walker:
             if op.endswith("-start") and i.shape.startswith("(("):  # ((inputs), outputs): the outputs
                 result = i.shape[_balanced(i.shape, 1):]
             wire = hlo.shape_bytes(result) * hlo._WIRE[kind](n) if n > 1 else 0.0
-            return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / p.link_bytes_per_s + p.launch_seconds)
+            if n <= 1:
+                return Kernel(i.name, COLLECTIVE, times, 0.0, 0.0, p.launch_seconds)
+            across = spans_nodes(i.line, self.n_devices, p.gpus_per_node)
+            bandwidth, latency = ((p.network_bytes_per_s, p.network_latency_seconds) if across
+                                  else (p.link_bytes_per_s, p.link_latency_seconds))
+            steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
+            return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds)
         if op == "custom-call":
             target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
             nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
@@ -343,6 +378,41 @@ class _Walker:
         return ACCUMULATE if depth > 0 else OPTIMIZER
 
 
+def replica_groups(line: str, n_devices: int) -> list[list[int]] | None:
+    """A collective's groups of device ids: explicit ({{0,1},{2,3}}), iota ([G,n]<=[dims]T(perm)) or
+    every device ({} or none given); None for a form not read here."""
+    if m := re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line):
+        return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        groups, size = int(m.group(1)), int(m.group(2))
+        dims = [int(x) for x in m.group(3).split(",")]
+        perm = [int(x) for x in m.group(4).split(",")] if m.group(4) else list(range(len(dims)))
+        strides = [math.prod(dims[j + 1:]) for j in range(len(dims))]
+        order = [sum(idx[k] * strides[perm[k]] for k in range(len(dims)))
+                 for idx in _indices([dims[q] for q in perm])]
+        return [order[g * size:(g + 1) * size] for g in range(groups)]
+    if re.search(r"replica_groups=\{\}", line) or "replica_groups" not in line:
+        return [list(range(n_devices))]
+    return None
+
+
+def _indices(dims: list[int]) -> list[tuple[int, ...]]:
+    """Every index of an array of shape dims, in row-major order."""
+    out: list[tuple[int, ...]] = [()]
+    for d in dims:
+        out = [idx + (j,) for idx in out for j in range(d)]
+    return out
+
+
+def spans_nodes(line: str, n_devices: int, gpus_per_node: int) -> bool:
+    """Whether any replica group of this collective holds devices of two nodes (unknown forms: by
+    the group size alone)."""
+    groups = replica_groups(line, n_devices)
+    if groups is None:
+        return (hlo._group_size(line) or n_devices) > gpus_per_node
+    return any(len({d // gpus_per_node for d in g}) > 1 for g in groups)
+
+
 def kernels(text: str, p: Perf, n_devices: int = 1) -> tuple[list[Kernel], list[str]]:
     """Every kernel one step of the compiled program `text` launches, costed on device `p`, and the
     loops whose trip count was unreadable (counted once)."""
@@ -357,8 +427,11 @@ def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None
     """The predicted step: seconds, the kernels grouped (GROUPS), the costliest kernels, and with
     tokens_per_step / model_flops_per_token (jaxgpt.metrics.flops_per_token) tokens/s and MFU
     against the device's bf16 peak (per device: tokens_per_step is the global batch)."""
-    ks, unknown = kernels(text, p, n_devices)
-    total = sum(k.seconds * k.times for k in ks)
+    w = _Walker(text, p, n_devices)
+    if w.entry:
+        w.visit(w.entry, 1, 0)
+    ks, unknown = w.kernels, w.unknown_trips
+    total = sum(k.seconds * k.times for k in ks) - w.hidden_seconds
     groups = {g: {"seconds": 0.0, "launches": 0, "flops": 0.0, "bytes": 0.0} for g in GROUPS}
     for k in ks:
         row = groups[k.group]
@@ -370,7 +443,9 @@ def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None
     out = {"device": p.name, "step_seconds": total, "launches": sum(k.times for k in ks), "groups": groups,
            "top_kernels": [{"name": k.name, "group": k.group, "times": k.times,
                             "ms_per_step": 1e3 * k.seconds * k.times, "flops": k.flops, "bytes": k.bytes} for k in top],
-           "unknown_trip_counts": sorted(set(unknown)), "tokens_per_sec": None, "mfu": None}
+           "unknown_trip_counts": sorted(set(unknown)), "tokens_per_sec": None, "mfu": None,
+           "collectives_hidden_seconds": w.hidden_seconds,
+           "collectives_exposed_seconds": groups[COLLECTIVE]["seconds"] - w.hidden_seconds}
     if tokens_per_step and total:
         out["tokens_per_sec"] = tokens_per_step / total
         if model_flops_per_token:
@@ -389,6 +464,9 @@ def format_estimate(e: dict[str, Any]) -> str:
         if row["launches"]:
             lines.append(f"{g:<52}{1e3 * row['seconds']:>10,.1f}{100 * row['seconds'] / e['step_seconds']:>7.1f}%"
                          f"{row['launches']:>10,}{row['flops'] / 1e12:>9,.1f}{row['bytes'] / 1e9:>9,.1f}")
+    if e["groups"][COLLECTIVE]["launches"]:
+        lines.append(f"collectives: {1e3 * e['collectives_hidden_seconds']:,.1f} ms of them overlap compute in "
+                     f"XLA's schedule (not in the step time), {1e3 * e['collectives_exposed_seconds']:,.1f} ms exposed")
     if e["unknown_trip_counts"]:
         lines.append(f"warning: loop trip count unreadable ({', '.join(e['unknown_trip_counts'])}): counted once")
     return "\n".join(lines)

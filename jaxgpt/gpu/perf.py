@@ -37,12 +37,20 @@ class Perf(NamedTuple):
     hbm_efficiency: float    # of hbm_bytes_per_s, what a streaming kernel (fusion, copy) reaches
     launch_seconds: float    # per kernel: launch, ramp-up and tail of a small grid
     link_bytes_per_s: float  # one direction, per device, for collectives (NVLink 4)
+    # Between nodes (collectives whose replica groups span nodes; jaxgpt/gpu/cost.py). The defaults
+    # describe a DGX/HGX H100 or H200 node: 8 GPUs, one 400 Gb/s InfiniBand NDR or RoCE NIC per GPU
+    # (50 GB/s one direction), and per ring step the latency of one hop: ~1 us over NVSwitch, ~5 us
+    # through a NIC and a switch. Assumed from the data sheets, not yet checked against nccl-tests.
+    gpus_per_node: int = 8
+    network_bytes_per_s: float = 50e9
+    link_latency_seconds: float = 0.0
+    network_latency_seconds: float = 0.0
 
 
 _COMMON = dict(peak_flops=989e12, gemm_efficiency=0.75, gemm_tile=(128, 256, 64),
                attention_forward_efficiency=((64, 0.35), (128, 0.45)),
                attention_backward_efficiency=((64, 0.19), (128, 0.31)),
-               launch_seconds=4e-6, link_bytes_per_s=450e9)
+               launch_seconds=4e-6, link_bytes_per_s=450e9, link_latency_seconds=1e-6, network_latency_seconds=5e-6)
 
 # What the fusions, copies and the loss's reductions reach of the data-sheet bandwidth, read from
 # the profiles of 2026-11-26 (their measured group times against the bytes costed here). The
@@ -51,13 +59,13 @@ _COMMON = dict(peak_flops=989e12, gemm_efficiency=0.75, gemm_tile=(128, 256, 64)
 _HBM_EFFICIENCY = {"h100": 0.78, "h200": 0.62}
 
 
-def perf(target: str) -> Perf:
-    """The constants for --target NAME ('h100' or 'h200')."""
+def perf(target: str, gpus_per_node: int = 8) -> Perf:
+    """The constants for --target NAME ('h100' or 'h200'), in nodes of gpus_per_node GPUs."""
     text = gpu_target.description(target)
     bandwidth = int(re.search(r"memory_bandwidth:\s*(\d+)", text).group(1))
     sms = int(re.search(r"core_count:\s*(\d+)", text).group(1))
     return Perf(name=gpu_target.TARGETS[target][1], hbm_bytes_per_s=bandwidth, sms=sms,
-                hbm_efficiency=_HBM_EFFICIENCY[target], **_COMMON)
+                hbm_efficiency=_HBM_EFFICIENCY[target], gpus_per_node=gpus_per_node, **_COMMON)
 
 
 def attention_efficiency(points: tuple[tuple[int, float], ...], head_dim: int) -> float:

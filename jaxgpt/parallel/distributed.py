@@ -8,8 +8,15 @@ data between hosts where the layout needs it.
 When jaxgpt initialises `jax.distributed` (and only then):
     - COORDINATOR_ADDRESS, NUM_PROCESSES and PROCESS_ID are set (by `launch_multihost.sh` or by
       hand; LOCAL_DEVICE_IDS optionally restricts a process to some local GPUs), or
-    - the job runs under SLURM with more than one task (JAX reads the SLURM variables itself).
-A single process with neither never touches `jax.distributed`.
+    - the job runs under SLURM with more than one task (JAX reads the SLURM variables itself), or
+    - the process is a pod of the JobSet `launch_multihost.sh --k8s` renders (parallel/jobset.py):
+      JOBSET_COORDINATOR (pod 0's DNS name, from JobSet's coordinator annotation), NUM_PROCESSES
+      and JOB_COMPLETION_INDEX (set by Kubernetes' Job controller in every pod of an Indexed Job)
+      give the coordinator `JOBSET_COORDINATOR:55527` (JAX_COORDINATOR_PORT overrides the port, as
+      in JAX's own k8s support), the process count and this process's id. JAX's own Kubernetes
+      detection is not used: it asks the Kubernetes API (the `kubernetes` package and a service
+      account allowed to list pods) for what these variables already say, so it is switched off.
+A single process with none of these never touches `jax.distributed`.
 
 Processes on CPU (the local test mode) exchange collectives through gloo over TCP.
 
@@ -38,6 +45,8 @@ import jax
 from jaxgpt.errors import UserError
 
 _ENV = ("COORDINATOR_ADDRESS", "NUM_PROCESSES", "PROCESS_ID")
+_JOBSET_ENV = ("JOBSET_COORDINATOR", "JOB_COMPLETION_INDEX")
+JOBSET_PORT = 55527  # JAX's own k8s default coordinator port (jax._src.clusters.k8s_cluster)
 
 
 def env_int(name: str, default: int, low: int = 0) -> int:
@@ -59,7 +68,26 @@ def wanted() -> bool:
     """Whether the environment describes a multi-process job."""
     if all(os.environ.get(k) for k in _ENV):
         return env_int("NUM_PROCESSES", 1, low=1) > 1
+    if _in_jobset():
+        return _jobset_kwargs()["num_processes"] > 1
     return env_int("SLURM_NTASKS", 1, low=1) > 1 and "SLURM_JOB_ID" in os.environ
+
+
+def _in_jobset() -> bool:
+    return all(os.environ.get(k) for k in _JOBSET_ENV) and not os.environ.get("COORDINATOR_ADDRESS")
+
+
+def _jobset_kwargs() -> dict:
+    """jax.distributed.initialize's arguments in a JobSet pod (see the module docstring)."""
+    if not os.environ.get("NUM_PROCESSES"):
+        raise UserError("JOBSET_COORDINATOR and JOB_COMPLETION_INDEX are set (a JobSet pod) but NUM_PROCESSES is not: "
+                        "set it to the JobSet's pod count (launch_multihost.sh --k8s does)")
+    n, rank = env_int("NUM_PROCESSES", 1, low=1), env_int("JOB_COMPLETION_INDEX", 0)
+    if rank >= n:
+        raise UserError(f"JOB_COMPLETION_INDEX={rank} must be below NUM_PROCESSES={n}")
+    port = env_int("JAX_COORDINATOR_PORT", JOBSET_PORT, low=1)
+    return dict(coordinator_address=f"{os.environ['JOBSET_COORDINATOR'].strip()}:{port}", num_processes=n,
+                process_id=rank, cluster_detection_method="deactivate")
 
 
 joined = False  # this process is one of several whose jax.distributed started (cli.py's peer-loss line)
@@ -84,6 +112,8 @@ def initialize() -> None:
                 raise UserError(f"LOCAL_DEVICE_IDS={os.environ['LOCAL_DEVICE_IDS'][:40]!r} must be device numbers "
                                 f"separated by commas, e.g. 0,1")
             kwargs["local_device_ids"] = [int(i) for i in ids]
+    elif _in_jobset():
+        kwargs = _jobset_kwargs()
     if os.environ.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout, initialization_timeout=init_timeout)

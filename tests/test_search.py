@@ -1,0 +1,106 @@
+"""`python -m jaxgpt.plan --search`: layouts enumerated within the model's shapes and the nodes, a
+ranking of XLA:GPU compiles for 8 compile-only H100s that is the same every time (and from the
+cache), and the top 3 layouts each training a step on the 8 fake CPU devices."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+from helpers import TINY, tiny_config, train_losses
+
+from jaxgpt import plan
+from jaxgpt.config import validate
+from jaxgpt.gpu import search
+from jaxgpt.gpu.target import INSTALL, compile_only_devices, plugin_missing_reason
+from jaxgpt.train import train
+
+needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
+                                  reason=f"needs the CUDA plugin to compile for H100: {INSTALL}")
+TOP = 3
+
+
+def test_layouts_are_every_product_with_tp_and_ep_inside_a_node():
+    dense = search.layouts(8, 8, moe=False)
+    assert all(math.prod(s.values()) == 8 and s["ep"] == 1 for s in dense)
+    assert len(dense) == len({tuple(s.values()) for s in dense}) == 20  # 8 = 2^3 over pp, dp, fsdp, tp: C(6,3)
+    two_nodes = search.layouts(16, 8, moe=True)
+    assert all(s["tp"] * s["ep"] <= 8 for s in two_nodes) and {"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8} in two_nodes
+    assert len(search.layouts(16, 8, moe=True, across_nodes=True)) > len(two_nodes)
+    # tp inside a node, dp (the slower axis) across the two
+    assert search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8}, "tp", 8)
+    assert not search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8}, "dp", 8)
+
+
+def test_candidates_are_the_valid_ones_in_a_fixed_order():
+    cfg = tiny_config("model.n_head=2")  # tp=4 and 8 cannot split 2 heads
+    first, again = search.candidates(cfg, 8, 8), search.candidates(cfg, 8, 8)
+    assert [c.key() for c in first] == [c.key() for c in again] and first
+    assert all(c.sizes["tp"] <= 2 for c in first)
+    for c in first:
+        assert validate(c.config(cfg), 8) == c.sizes
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """The search run twice over one cache: (first result, second result, the cache dir)."""
+    devices = compile_only_devices("h100", 8)
+    cache = tmp_path_factory.mktemp("search-cache")
+    cfg = tiny_config()
+
+    def run():
+        return search.search(cfg, 8, "h100", lambda c: plan.plan(c, devices, None, "h100"), compile_top=TOP,
+                             cache=cache)
+    return run(), run(), cache, devices
+
+
+@needs_plugin
+def test_the_ranking_is_deterministic_and_cached(searched):
+    first, second, cache, _ = searched
+    assert first["counts"]["compiled"] == TOP and len(first["ranked"]) == TOP  # the tiny model fits everywhere
+    assert len(list(cache.glob("*.json"))) == TOP
+    key = lambda r: [(c.key(), row["step_seconds"]) for c, row in r["ranked"]]  # noqa: E731
+    assert key(first) == key(second)
+    seconds = [row["step_seconds"] for _, row in first["ranked"]]
+    assert seconds == sorted(seconds) and all(s > 0 for s in seconds)
+    text = search.format_search(first, "tiny", "h100", 8, None, TINY)
+    best = first["ranked"][0][0]
+    assert f"fastest: python -m jaxgpt.train --mesh {best.mesh} " in text and text.endswith(
+        f"model.remat={best.remat} train.grad_accum={best.grad_accum}")
+
+
+@needs_plugin
+def test_ctrl_c_keeps_the_ranking_so_far(searched):
+    """A real SIGINT during the 4th compile (the first 3 come from the cache): the 3 are ranked."""
+    first, _, cache, devices = searched
+
+    def interrupted_plan(cfg):
+        os.kill(os.getpid(), signal.SIGINT)
+        return plan.plan(cfg, devices, None, "h100")
+    result = search.search(tiny_config(), 8, "h100", interrupted_plan, compile_top=TOP + 1, cache=cache)
+    assert result["interrupted"] and [c.key() for c, _ in result["ranked"]] == [c.key() for c, _ in first["ranked"]]
+    assert "interrupted: the ranking of what was compiled" in search.format_search(result, "tiny", "h100", 8, None, [])
+
+
+@needs_plugin
+@pytest.mark.parametrize("rank", range(TOP))
+def test_the_top_layouts_train(searched, rank, tmp_path, shakespeare_dir):
+    c, _ = searched[0]["ranked"][rank]
+    train(tiny_config(*c.overrides(), "train.steps=1", mesh=c.mesh), tmp_path)
+    assert len(train_losses(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--search", "--gpus", "8"], "--gpus needs --target"),
+    (["--search"], "--search ranks layouts by the GPU step-time model: give --target"),
+    (["--search", "--target", "h100", "--gpus", "8", "--mesh", "dp=8"], "--search chooses the mesh itself"),
+    (["--search", "--target", "h100", "--gpus", "8", "--compile-top", "0"], "--compile-top must be positive"),
+    (["--target", "h100", "--gpus", "8", "--compile-top", "4"], "--compile-top is an option of --search"),
+    (["--gpus-per-node", "4"], "--gpus-per-node needs --target"),
+])
+def test_search_arguments_are_checked_in_one_line(capsys, args, says):
+    assert plan.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1, err
