@@ -13,6 +13,7 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import subprocess
@@ -129,6 +130,44 @@ def test_dp_all_reduces_gradients_once_per_step(gpt2):
 def test_dp_with_accumulation_and_fp8_still_all_reduces_once(tiny):
     big = [op for op in collective_ops(tiny["dp8_accum2_fp8"])[0] if op.kind == "all-reduce" and op.bytes > 64]
     assert big and all(op.times == 1 for op in big)  # per-micro-batch ones would run grad_accum times
+
+
+def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]]:
+    """The memory-bound kernels (not GEMMs, not attention) of one step that read or write an array of
+    `elements` elements: (kernel, how many such operands it reads, how many such results it
+    writes, their element types)."""
+    from jaxgpt.gpu import cost, perf
+
+    def sized(shape: str) -> list[str]:
+        return [dtype for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
+                if math.prod(int(d) for d in dims.split(",") if d) == elements]
+
+    comps, _ = cost.parse_module(text)
+    instrs = {i.name: i for body in comps.values() for i in body}
+    out = []
+    for k in cost.kernels(text, perf.perf("h100"))[0]:
+        if k.group not in (cost.GEMM, cost.ATTENTION):
+            i = instrs[k.name]
+            reads = [t for o in i.operands if o in instrs for t in sized(instrs[o].shape)]
+            if reads or sized(i.shape):
+                out.append((k.name, len(reads), len(sized(i.shape)), reads + sized(i.shape)))
+    return out
+
+
+@needs_plugin
+def test_norm_and_gelu_backward_move_only_bf16_rows(gpt2):
+    """gpt2-124m (dp=8: 4 x 1024 rows of D=768, F=3072 per device): no memory-bound kernel writes an
+    fp32 [rows, D] tensor (the norms' backward wrote g * xhat in fp32 for dscale's column sum, and
+    before that transposed to [T, D, B]: model/norm.py), and the tanh-GELU's [rows, F] traffic is
+    its minimum: per layer, the forward reads h and writes gelu(h), the backward reads h and g and
+    writes dh, each bf16 (model/moe.py gelu_tanh keeps only h)."""
+    text, _ = gpt2["dp=8"]
+    rows, D, F, L = 4 * 1024, 768, 3072, 2
+    wide_f32 = [k for k in _arrays_of(text, rows * D) if k[2] and "f32" in k[3][k[1]:]]
+    assert not wide_f32, wide_f32
+    gelu = _arrays_of(text, rows * F)
+    assert sum(r + w for _, r, w, _ in gelu) == 5 * L and {t for k in gelu for t in k[3]} == {"bf16"}, gelu
+    assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 1)] * L + [(2, 1)] * L, gelu
 
 
 def _gathered(text: str) -> list[tuple[str, str]]:
