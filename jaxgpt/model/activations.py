@@ -6,14 +6,12 @@
                                                           dgate = h g sig(gate) (1 + gate (1 - sig(gate)))
 
 h and gate are [B, T, F] in the GEMM's output layout and dtype (bf16 on a GPU); the derivative is
-formed in fp32 inside the one elementwise pass that reads g, and rounded once. Autodiff kept what
-its linearisation needs instead: relu(h) beside the mask, and for swiglu silu(gate), sigmoid(gate)
-and h, each a [B, T, F] tensor the forward writes and the backward reads back (XLA cannot
-recompute across the forward/backward boundary). Values are autodiff's bit for bit; gradients
-are checked against autodiff in tests/test_kernels.py.
-
-MoE experts still take moe.py's `activate` (that file has its own owner this round); its gelu is
-the same function, its relu2 and swiglu autodiff's.
+formed in fp32 inside the elementwise pass that reads g, and rounded once. Autodiff's residuals
+are relu(h) and the mask, or silu(gate), sigmoid(gate) and h; in the compiled H100 step XLA already
+recomputes those inside the backward's fusions (a SwiGLU step moves the same bf16 [rows, F]
+tensors with either backward; docs/benchmarks.md "Issue 40"), so here the saved set is stated
+rather than left to fusion heuristics, as gelu_tanh's had to be. Values are autodiff's bit for bit;
+gradients are checked against autodiff in tests/test_custom_vjps.py.
 """
 
 from __future__ import annotations
