@@ -8,8 +8,11 @@ GPU), so the backward pass reads and writes the residual stream's own [N, D] ten
 wider. The forward keeps x (which the residual stream holds anyway) and two fp32 numbers per row,
 mean and rstd; the backward recomputes xhat = (x - mean) * rstd from them where it is used:
 
-    dscale = sum_N(g xhat)     dbias = sum_N(g)                            (one pass over g and x)
-    dx     = rstd (g scale - mean_D(g scale) - xhat mean_D(g scale xhat))  (one pass, rows)
+    dx     = rstd (g scale - mean_D(g scale) - xhat mean_D(g scale xhat))
+    dscale = sum_N(g xhat)     dbias = sum_N(g)
+
+Compiled for an H100 that is two passes over the bf16 g and x: the two row means, then one that
+writes dx with dscale and dbias as column sums beside it.
 
 Why by hand. Autodiff of the fp32 formula left XLA:GPU a backward that wrote the fp32 product
 g * xhat, [N, D] wide, only to read it back for dscale's column sum, and summed dbias in a third
