@@ -13,6 +13,7 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import subprocess
@@ -47,6 +48,8 @@ TINY_LAYOUTS = {
 }
 FP8_LAYOUTS = [name for name, (_, overrides) in TINY_LAYOUTS.items() if FP8 in overrides]
 GPT2 = ["model.n_layer=2", "model.remat=none", "train.grad_accum=16"]
+# gpt2-124m's bundled micro-batch (128 x 1,024 rows) on one GPU, 2 of its 12 layers: the memory-bound kernels' layout
+GPT2_ONE_GPU = ["model.n_layer=2", "train.batch_size=128", "train.grad_accum=1"]
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +60,13 @@ def h100s() -> list:
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
     """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'modern' and 'cublas_fp8' (below). Lowered one at a time (tracing holds the GIL), compiled in
+    'gpt2_one_gpu', 'modern' and 'cublas_fp8' (below). Lowered one at a time (tracing holds the GIL), compiled in
     threads (XLA:GPU's compile mostly runs on one core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
             for name, (mesh, overrides) in TINY_LAYOUTS.items()}
     jobs |= {mesh: (lower_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100"), None)
              for mesh in ("dp=8", "fsdp=8")}
+    jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["cublas_fp8"] = (lower_step(tiny_config(FP8, mesh="dp=8"), h100s, "h100"),
                           {"xla_gpu_enable_triton_gemm": False})
@@ -129,6 +133,45 @@ def test_dp_all_reduces_gradients_once_per_step(gpt2):
 def test_dp_with_accumulation_and_fp8_still_all_reduces_once(tiny):
     big = [op for op in collective_ops(tiny["dp8_accum2_fp8"])[0] if op.kind == "all-reduce" and op.bytes > 64]
     assert big and all(op.times == 1 for op in big)  # per-micro-batch ones would run grad_accum times
+
+
+def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]]:
+    """The memory-bound kernels (not GEMMs, not attention) of one step that read or write an array of
+    `elements` elements: (kernel, how many such operands it reads, how many such results it
+    writes, their element types)."""
+    from jaxgpt.gpu import cost, perf
+
+    def sized(shape: str) -> list[str]:
+        return [dtype for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
+                if math.prod(int(d) for d in dims.split(",") if d) == elements]
+
+    comps, _ = cost.parse_module(text)
+    instrs = {i.name: i for body in comps.values() for i in body}
+    out = []
+    for k in cost.kernels(text, perf.perf("h100"))[0]:
+        if k.group not in (cost.GEMM, cost.ATTENTION):
+            i = instrs[k.name]
+            reads = [t for o in i.operands if o in instrs for t in sized(instrs[o].shape)]
+            if reads or sized(i.shape):
+                out.append((k.name, len(reads), len(sized(i.shape)), reads + sized(i.shape)))
+    return out
+
+
+@needs_plugin
+def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
+    """gpt2-124m's micro-batch on one H100 (128 x 1,024 rows of D=768, F=3072): no memory-bound
+    kernel writes an fp32 [rows, D] tensor (with autodiff's norm backward these 2 layers wrote
+    seven, five of them g * xhat for dscale's column sum: model/norm.py), and the tanh-GELU's
+    [rows, F] traffic is its minimum: per layer, the forward reads h and writes gelu(h), the
+    backward reads h and g and writes dh, each bf16 (model/moe.py gelu_tanh keeps only h). At 4 x
+    1,024 rows a device (the dp=8 step) XLA still writes g * xhat: not asserted there."""
+    text = compiled["gpt2_one_gpu"].compiled.as_text()
+    rows, D, F, L = 128 * 1024, 768, 3072, 2
+    wide_f32 = [k for k in _arrays_of(text, rows * D) if k[2] and "f32" in k[3][k[1]:]]
+    assert not wide_f32, wide_f32
+    gelu = _arrays_of(text, rows * F)
+    assert sum(r + w for _, r, w, _ in gelu) == 5 * L and {t for k in gelu for t in k[3]} == {"bf16"}, gelu
+    assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 1)] * L + [(2, 1)] * L, gelu
 
 
 def _gathered(text: str) -> list[tuple[str, str]]:

@@ -4,7 +4,9 @@
     blocks.py     pre-norm residual blocks, the MoE block, MoE groups
     attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn)
     positions.py  rotary position embeddings (model.position=rope)
-    layers.py     parameters with logical axes, compute dtype, LayerNorm/RMSNorm, the dense MLP
+    layers.py     parameters with logical axes, compute dtype, the Norm layer, the dense MLP
+    norm.py       LayerNorm/RMSNorm with a hand-written backward (bf16 in and out, fp32 statistics)
+    activations.py  the dense MLP's gelu/relu2/swiglu, backward passes keeping only the GEMM outputs
     moe.py        Mixture of Experts: routing, capacity, dispatch/combine, ep all-to-alls
     fp8.py        direct fp8 GEMMs with current scaling; the named linears every GEMM goes through
     loss.py       the fused, chunked output head + cross-entropy

@@ -1,7 +1,8 @@
 """The small pieces every block is built from: parameters with logical axes, the compute dtype,
 norms and the dense MLP.
 
-Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); norms are fp32.
+Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); norms compute in fp32 and
+return the input's dtype (norm.py, with its hand-written backward).
 Initialisation follows GPT-2: normal(0.02) for weights and embeddings, zero biases, unit norm
 scales (the residual projections' smaller std is chosen by their layers).
 """
@@ -16,8 +17,9 @@ from flax import nnx
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
+from jaxgpt.model.activations import activate
 from jaxgpt.model.fp8 import linear
-from jaxgpt.model.moe import activate
+from jaxgpt.model.norm import normalize
 from jaxgpt.parallel.mesh import shard
 
 STD = 0.02
@@ -62,14 +64,10 @@ class Norm(nnx.Module):
         # Over [B, T, D] the backward pass sums the scale's and bias's gradients over two axes, and
         # XLA:GPU laid that out by transposing the activations to [T, D, B] and back, fp32, in every
         # block: gpt2-124m on one H100, predicted 1,309 -> 1,209 ms a step (jaxgpt.plan --target h100).
-        x = (x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD).astype(jnp.float32)
-        if self.rms:
-            y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-5)
-        else:
-            mean = x.mean(-1, keepdims=True)
-            y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5)
-        y = y if self.scale is None else y * self.scale[...]
-        return add_bias(y, self.bias).astype(x_BTD.dtype).reshape(x_BTD.shape)
+        # The backward pass is norm.py's own (bf16 in and out, no fp32 [N, D] temporary).
+        x = x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD
+        value = lambda p: None if p is None else p[...]  # noqa: E731
+        return normalize(x, value(self.scale), value(self.bias), self.rms).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,90 @@
+"""LayerNorm and RMSNorm over the last axis with a hand-written backward pass (issue 40).
+
+    y = (x - mean) * rstd * scale + bias        rstd = 1 / sqrt(mean((x - mean)^2) + eps)
+    RMS: mean = 0, no bias
+
+Statistics and arithmetic are fp32 whatever x's dtype; y and dx come back in x's dtype (bf16 on a
+GPU), so the backward pass reads and writes the residual stream's own [N, D] tensors and nothing
+wider. The forward keeps x (which the residual stream holds anyway) and two fp32 numbers per row,
+mean and rstd; the backward recomputes xhat = (x - mean) * rstd from them where it is used:
+
+    dx     = rstd (g scale - mean_D(g scale) - xhat mean_D(g scale xhat))
+    dscale = sum_N(g xhat)     dbias = sum_N(g)
+
+Compiled for an H100 that is two passes over the bf16 g and x: the two row means, then one that
+writes dx with dscale and dbias as column sums beside it.
+
+Why by hand. Autodiff of the fp32 formula left XLA:GPU a backward that wrote the fp32 product
+g * xhat, [N, D] wide, only to read it back for dscale's column sum, and summed dbias in a third
+pass (gpt2-124m on one H100: 2.2 GB a norm a micro-batch where these two passes move 1.2;
+jaxgpt.plan --target h100, docs/benchmarks.md "Issue 40"). The column sums here see only g, x and
+the saved per-row statistics, so XLA fuses both into the pass that writes dx, without the fp32
+temporary; tests/test_gpu_compile.py holds that no fp32 [N, D] tensor is written at gpt2-124m's
+micro-batch (gpt2-1.3b's compiled step: 51 such writes before, none after). The forward now
+writes the statistics, one pass more there (+0.2 GB a norm). At small micro-batches XLA's fusion
+choices differ: with 4 x 1,024 rows a device (dp=8) it still writes g * xhat and the step is
+predicted 0.8% slower than autodiff's; a second barrier or a stacked column sum made that worse
+(more fp32 written, some transposed), so this is the version kept.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+EPS = 1e-5
+
+
+def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool) -> jax.Array:
+    """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None."""
+    return _norm(x, scale, bias, rms)
+
+
+def _stats(x32: jax.Array, rms: bool) -> tuple[jax.Array | None, jax.Array]:
+    """Per row: the mean [..., 1] (None for RMSNorm) and rstd [..., 1], fp32."""
+    mean = None if rms else x32.mean(-1, keepdims=True)
+    centred = x32 if rms else x32 - mean
+    return mean, jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + EPS)
+
+
+def _xhat(x: jax.Array, mean: jax.Array | None, rstd: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    return (x32 if mean is None else x32 - mean) * rstd
+
+
+def _apply(x, mean, rstd, scale, bias) -> jax.Array:
+    y = _xhat(x, mean, rstd)
+    y = y if scale is None else y * scale
+    y = y if bias is None else y + bias
+    return y.astype(x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _norm(x, scale, bias, rms):
+    return _apply(x, *_stats(x.astype(jnp.float32), rms), scale, bias)
+
+
+def _norm_fwd(x, scale, bias, rms):
+    mean, rstd = _stats(x.astype(jnp.float32), rms)
+    return _apply(x, mean, rstd, scale, bias), (x, mean, rstd, scale, bias)
+
+
+def _norm_bwd(rms, res, g):
+    x, mean, rstd, scale, bias = res
+    # XLA:GPU would otherwise fuse the forward's row reductions into this pass again (recomputing
+    # mean and rstd from x) and then had to write g * xhat out for dscale's column sum.
+    x, mean, rstd = jax.lax.optimization_barrier((x, mean, rstd))
+    rows = tuple(range(x.ndim - 1))
+    g32, xhat = g.astype(jnp.float32), _xhat(x, mean, rstd)
+    dscale = None if scale is None else jnp.sum(g32 * xhat, axis=rows).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(g32, axis=rows).astype(bias.dtype)
+    gs = g32 if scale is None else g32 * scale
+    dx = gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True)
+    if not rms:
+        dx = dx - jnp.mean(gs, axis=-1, keepdims=True)
+    return (dx * rstd).astype(x.dtype), dscale, dbias
+
+
+_norm.defvjp(_norm_fwd, _norm_bwd)

@@ -1,0 +1,95 @@
+"""The hand-written backward passes of model/norm.py and model/activations.py against autodiff of the
+plain formulas: the same values, and gradients equal to fp32 rounding (issue 40). What they save
+XLA:GPU from writing is held by tests/test_gpu_compile.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxgpt.model.activations import relu2, swiglu
+from jaxgpt.model.norm import normalize
+
+
+def _reference_norm(x, scale, bias, rms):
+    """The formula Norm ran before its custom VJP, left to autodiff."""
+    x = x.astype(jnp.float32)
+    if rms:
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + 1e-5)
+    else:
+        mean = x.mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + 1e-5)
+    y = y if scale is None else y * scale
+    return y if bias is None else y + bias
+
+
+NORM_CASES = [(False, True, True, (64, 48)), (False, False, False, (4, 16, 48)), (True, True, False, (64, 48)),
+              (True, True, False, (2, 8, 4, 16))]  # qk-norm: RMS over the head dim of [B, T, H, K]
+
+
+@pytest.mark.parametrize("rms,with_scale,with_bias,shape", NORM_CASES)
+def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, shape):
+    """fp32: values to 1e-6, gradients of x, scale and bias to 1e-5 of autodiff's (rows offset by 3
+    and scaled by 4, so the mean matters); bf16 x: y and dx come back in bf16, within bf16's
+    rounding of the fp32 gradient."""
+    k = jax.random.split(jax.random.key(0), 4)
+    D = shape[-1]
+    x = 4 * jax.random.normal(k[0], shape) + 3
+    scale = 1 + 0.1 * jax.random.normal(k[1], (D,)) if with_scale else None
+    bias = 0.1 * jax.random.normal(k[2], (D,)) if with_bias else None
+    w = jax.random.normal(k[3], shape)
+
+    @jax.jit
+    def run(x, scale, bias):
+        def loss(fn, x, scale, bias):
+            return jnp.sum(fn(x, scale, bias, rms).astype(jnp.float32) * w)
+
+        x16 = x.astype(jnp.bfloat16)
+        return (normalize(x, scale, bias, rms), _reference_norm(x, scale, bias, rms),
+                jax.value_and_grad(loss, argnums=(1, 2, 3))(normalize, x, scale, bias),
+                jax.value_and_grad(loss, argnums=(1, 2, 3))(_reference_norm, x, scale, bias),
+                normalize(x16, scale, bias, rms), jax.grad(loss, argnums=1)(normalize, x16, scale, bias),
+                jax.grad(loss, argnums=1)(_reference_norm, x16.astype(jnp.float32), scale, bias))
+
+    y, y_ref, (ours, ours_grads), (ref, ref_grads), y16, dx16, dx32 = run(x, scale, bias)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-6, atol=1e-6)
+    assert abs(float(ours) - float(ref)) <= 1e-5 * max(1.0, abs(float(ref)))
+    for got, want in zip(ours_grads, ref_grads):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert y16.dtype == dx16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(dx16, np.float32), dx32, rtol=2.0 ** -7, atol=2.0 ** -7 * float(
+        jnp.abs(dx32).max()))
+
+
+@pytest.mark.parametrize("name", ["relu2", "swiglu"])
+def test_activation_value_and_gradients_match_autodiff(name):
+    """relu(h)^2 and silu(gate) h with backward passes that keep only h (and gate): values bit for
+    bit autodiff's (the same forward), fp32 gradients to 1e-6 relative over |h| up to 12 (both
+    sides of relu's kink and silu's saturation); in bf16 within bf16's rounding of the fp32 ones."""
+    h = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), 3 * jax.random.normal(jax.random.key(0), (4096,))])
+    gate = jnp.roll(h, 517) * 0.9
+    w = jax.random.normal(jax.random.key(1), h.shape)
+    ours_fn, ref_fn = {"relu2": (lambda g, h: relu2(h), lambda g, h: jnp.square(jax.nn.relu(h))),
+                       "swiglu": (swiglu, lambda g, h: jax.nn.silu(g) * h)}[name]
+    np.testing.assert_array_equal(jax.jit(ours_fn)(gate, h), jax.jit(ref_fn)(gate, h))
+
+    @jax.jit
+    def run(gate, h, w):
+        def grads(fn, gate, h, w):
+            return jax.grad(lambda g, h: jnp.sum(fn(g, h).astype(jnp.float32) * w), argnums=(0, 1))(gate, h)
+
+        g16, h16, w16 = gate.astype(jnp.bfloat16), h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+        return (grads(ours_fn, gate, h, w), grads(ref_fn, gate, h, w), grads(ours_fn, g16, h16, w16),
+                grads(ours_fn, g16.astype(jnp.float32), h16.astype(jnp.float32), w16.astype(jnp.float32)))
+
+    ours, ref, ours16, fp32 = run(gate, h, w)
+    for got, want in zip(ours, ref):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * float(jnp.abs(want).max()))
+    for got, want in zip(ours16, fp32):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2.0 ** -8, atol=0)
