@@ -80,6 +80,8 @@ def split_balance(tree: dict) -> tuple[dict, Any]:
 def with_balance(tree: dict, bias: Any) -> dict:
     """`tree` with the routing bias set to `bias` (None: removed), other nodes shared, not copied."""
     def put(node: dict, path: tuple[str, ...]) -> dict:
+        if path[0] not in node and bias is None:
+            return node  # nothing to remove (a model without the bias)
         out = dict(node)
         if len(path) == 1:
             out.pop(path[0], None)
@@ -322,10 +324,10 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
             metrics, grads = summed_grads(to_varying(params), bias, local_BT1, to_varying)
 
             def reduce(x, spec=P()):
-                if "dp" in layout.manual:
-                    x = jax.lax.pmean(x, "dp")
-                if "ep" in layout.manual:
-                    x = x / mesh.shape["ep"] if "ep" in _names(spec) else jax.lax.pmean(x, "ep")
+                if "ep" in _names(spec):
+                    x = x / mesh.shape["ep"]
+                if mean_over := tuple(a for a in ("dp", "ep") if a in layout.manual and a not in _names(spec)):
+                    x = jax.lax.pmean(x, mean_over)  # one all-reduce over dp x ep
                 if "pp" in layout.manual and spec == P():
                     x = jax.lax.psum(x, "pp")
                 return x / A
