@@ -21,11 +21,21 @@ One gradient all-reduce per step, not per micro-batch
 Left to GSPMD, the gradient of a dp-replicated parameter is all-reduced where it is produced,
 inside the accumulation loop: A micro-batches cost A all-reduces (gpt2-124m at dp=8 with A=16
 moved 9,955 MiB per step instead of ~500). So when dp > 1 the step runs under a `shard_map` that
-is manual over `dp` (and pp, below; fsdp, ep and tp stay automatic inside): each dp shard differentiates with
+is manual over `dp` (and ep, and pp, below; fsdp and tp stay automatic inside): each dp shard differentiates with
 respect to a dp-*varying* copy of the parameters (`pcast`), so its gradient stays local while it
 sums its A micro-batches, and one `pmean` over dp follows the loop. Under fsdp the gradient is
 still reduce-scattered per micro-batch over the fsdp axis: ZeRO-3 keeps only a shard of it, as
 PyTorch FSDP does. Inside the `shard_map` the activation constraints drop `dp` (`mesh.shard`).
+
+ep (> 1) is manual too, for the same reason: left to GSPMD, the gradients of everything ep
+replicates were all-reduced over ep once per micro-batch. Each ep shard holds its E/ep experts
+(their spec names ep) and a varying copy of the rest; the MoE layers move tokens by explicit
+all-to-alls (jaxgpt/model/moe.py, dropless.py). After the loop the replicated gradients take one
+pmean over dp x ep, and an expert's gradient, which the all-to-alls' transposes already summed
+over the ep shards' losses, only a pmean over dp and a division by ep (the loss is their mean).
+
+moe_balance=bias: the routing bias sits among the parameters (jaxgpt/model/balance.py) but is
+split off before differentiation and the optimizer, and moved after the update from the load.
 
 Pipeline parallelism (pp > 1)
 -----------------------------
@@ -56,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
+from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
@@ -63,38 +74,6 @@ from jaxgpt.parallel.mesh import named, shard
 from jaxgpt.tokenizer import token_bytes
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
-# moe_balance=bias's routing bias [G, E]: kept among the parameters, moved by the step, not the optimizer
-BALANCE_PATH = ("groups", "moe", "mlp", "router_bias")
-
-
-def split_balance(tree: dict) -> tuple[dict, Any]:
-    """(tree without the routing bias, the bias or None) for any tree shaped like the parameters."""
-    node = tree
-    for key in BALANCE_PATH[:-1]:
-        node = node.get(key, {}) if isinstance(node, dict) else {}
-    if BALANCE_PATH[-1] not in node:
-        return tree, None
-    return with_balance(tree, None), node[BALANCE_PATH[-1]]
-
-
-def with_balance(tree: dict, bias: Any) -> dict:
-    """`tree` with the routing bias set to `bias` (None: removed), other nodes shared, not copied."""
-    def put(node: dict, path: tuple[str, ...]) -> dict:
-        if path[0] not in node and bias is None:
-            return node  # nothing to remove (a model without the bias)
-        out = dict(node)
-        if len(path) == 1:
-            out.pop(path[0], None)
-            return out if bias is None else {**out, path[0]: bias}
-        out[path[0]] = put(node[path[0]], path[1:])
-        return out
-    return put(tree, BALANCE_PATH)
-
-
-def move_balance(bias_GE: jax.Array, load_GE: jax.Array, rate: float) -> jax.Array:
-    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's routing bias rises by `rate` when
-    its share of the step's assignments is below the mean 1/E, falls by as much when above."""
-    return bias_GE + rate * jnp.sign(1.0 / load_GE.shape[-1] - load_GE)
 
 
 class TrainState(NamedTuple):

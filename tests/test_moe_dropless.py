@@ -21,7 +21,8 @@ from jaxgpt.hlo import collective_bytes
 from jaxgpt.model import param_count
 from jaxgpt.model.moe import Experts, moe_mlp
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.step import abstract_state, init_state, make_setup, make_train_step, split_balance
+from jaxgpt.model.balance import split_balance
+from jaxgpt.step import abstract_state, init_state, make_setup, make_train_step
 from jaxgpt.train import train
 
 E, K, RATE = 8, 2, 0.01

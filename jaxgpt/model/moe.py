@@ -1,8 +1,9 @@
-"""Mixture of Experts: top-k routing, capacity-based dispatch, and expert parallelism over `ep`.
+"""Mixture of Experts: top-k routing, capacity-based or dropless dispatch, expert parallelism over `ep`.
 
 Letters: G groups (one per sequence), S tokens per group (S = T), E experts, C slots per expert
-and group, K the top-k choices, D model width, F expert MLP width (model.mlp_width, as the dense
-MLP; each expert is the dense MLP's kind, so with model.mlp=swiglu a gated MLP of three matmuls).
+and group, K the top-k choices, D model width, F expert MLP width (model.moe_mlp_hidden, by
+default the dense MLP's; each expert is the dense MLP's kind, so with model.mlp=swiglu a gated MLP
+of three matmuls). Shared experts (model.moe_shared_experts) are a dense MLP in blocks.py.
 
 Routing. The router is a [D, E] matmul in fp32; softmax over E, the top K experts per token, their
 probabilities renormalised to sum to 1 (the combine weights). Each expert then takes at most
@@ -16,28 +17,33 @@ sequence, so they do not depend on how the batch is split: a sequence is routed 
 device and on dp=2 x ep=4, which is what lets tests/test_moe.py compare layouts to 1e-4. The
 losses are means over groups, so micro-batches and dp shards average to the global value.
 
-Dispatch and combine are dense one-hot einsums (GShard/Switch/MaxText's "dropping" path), not
-sorts or ragged ops: `jax.lax.ragged_all_to_all` is unimplemented on XLA:CPU, `ragged_dot` is
-lowered densely on XLA:GPU in JAX 0.10, and einsums are what GSPMD partitions well.
+Two dispatches (model.moe_dispatch). `capacity`, the default and this module: dense one-hot
+einsums into C slots per expert (GShard/Switch/MaxText's "dropping" path), what GSPMD partitions
+well and what runs anywhere. `dropless` (jaxgpt/model/dropless.py): the assignments sorted by
+expert, the experts as grouped GEMMs (`jax.lax.ragged_dot`, `expert_mlp` below), nothing dropped;
+with C = S both compute the same function (tests/test_moe_dropless.py).
 
     dispatch  x_EGCD = einsum('gsec,gsd->egcd', dispatch_GSEC, x_GSD)
     experts   y_EGCD = MLP_e(x_EGCD) with weights [E, D, F], [E, F, D] split over ep
     combine   y_GSD  = einsum('gsec,egcd->gsd', combine_GSEC, y_EGCD)
 
-Collectives (read from the compiled step, asserted by tests/test_moe.py). Outside the MoE
-layer the groups G are split over (dp, fsdp, ep) (`batch`); the expert tensors are split E over
-ep and G over (dp, fsdp) (`experts`, `expert_batch`). Moving ep from G to E is an all-to-all over
-ep, and XLA:CPU's compiled step (dp=2 x ep=4) holds, per MoE block, two all-to-alls forward
-(the dispatched tokens to the experts, the expert outputs back) and three backward: the two
-transposes, plus the expert outputs moved to the groups once more for the gradient of the
-combine weights (the router's gradient; XLA keeps the expert-side tensor as the residual). Each
-moves the [E, G, C, D] slots one device holds: about K * capacity_factor times its [G, S, D]
-tokens. The router, the gating and the capacity cumsum are local to a group, so they talk to
-nobody. The expert weights are never gathered over ep (each device holds E/ep whole experts,
-and their AdamW moments likewise); under fsdp their `embed` dimension is gathered like any
+Collectives (read from the compiled step, asserted by tests/test_moe.py). Inside the train step
+ep is a manual axis of its shard_map (jaxgpt/step.py), like dp: each device holds its [G, S, D]
+groups and E/ep experts, so the dispatched [E, G, C, D] slots go to the experts' devices by an
+explicit `all_to_all` over ep (E split, G gathered: [E/ep, G x ep, C, D]) and come back by the
+reverse one: two all-to-alls per MoE block forward, and their two transposes backward, each
+moving about K * capacity_factor times the device's [G, S, D] tokens. The router, the gating and
+the capacity cumsum are local to a group, so they talk to nobody. The expert weights are never
+gathered over ep (each device holds E/ep whole experts, and their AdamW moments likewise), and
+their gradients need no reduction over ep (the all-to-alls' transposes bring every device's
+cotangents to the expert's owner); under fsdp their `embed` dimension is gathered like any
 weight, under tp their F is split Megatron-style (one all-reduce after the second matmul).
-Outside the MoE layers, ep behaves as a batch axis; one cost seen in the HLO is that the token
-embedding's gradient (a scatter-add) all-gathers its [B, T, D] updates over ep once per step.
+Where ep is not manual (evaluation, sampling: plain jit) GSPMD partitions the same einsums,
+turning the re-splits of `experts` / `expert_batch` into its own all-to-alls.
+
+Routing bias (model.moe_balance=bias, DeepSeek-V3). `bias_E` is added to the probabilities to
+choose the top K, not to weight them, under stop_gradient; the train step moves it against the
+load (`MoEStats.load`: each expert's share of the assignments, before capacity).
 
 Losses (returned per layer, averaged over layers by the model, added to the objective by
 jaxgpt/step.py with model.moe_aux_coef and model.moe_z_coef):
