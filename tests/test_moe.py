@@ -233,6 +233,8 @@ def test_hf_export_refuses_moe_in_one_line(ep_run, tmp_path):
     (["model.moe_experts=4", "checkpoint.init_from_hf=x"], "dp=8", "GPT-2 weights, which have no experts"),
     (["model.moe_capacity_factor=0"], "dp=8", "model.moe_capacity_factor must be > 0"),
     (["model.moe_experts=-1"], "dp=8", "model.moe_experts must be >= 0"),
+    (["model.moe_experts=4", "model.moe_dispatch=dropless", "model.fp8=true"], "dp=8",
+     "model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have no fp8 form"),
 ])
 def test_impossible_moe_combinations(overrides, mesh, message):
     with pytest.raises(UserError, match=message):
