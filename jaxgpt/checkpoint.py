@@ -104,9 +104,10 @@ if hasattr(_arrays, "_min_slice_bytes_for_replica_parallel"):
 # a key this version's config lacks is passed over.
 SHAPE_KEYS = ("model.n_layer", "model.n_head", "model.n_kv_head", "model.n_embd", "model.mlp", "model.mlp_hidden",
               "model.seq_len", "model.vocab_size", "model.position", "model.norm", "model.norm_scale", "model.bias",
-              "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every", "optimizer.name")
+              "model.qk_norm", "model.tie_embeddings", "model.moe_experts", "model.moe_every",
+              "model.moe_mlp_hidden", "model.moe_shared_experts", "model.moe_balance", "optimizer.name")
 # MoE keys that change the routing of the same parameters: a resume may change them, and says so.
-ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor")
+ROUTING_KEYS = ("model.moe_top_k", "model.moe_capacity_factor", "model.moe_dispatch", "model.moe_bias_rate")
 # What the learning rate at a step depends on: a resume may change them (a longer run), and says so.
 SCHEDULE_KEYS = ("train.steps", "optimizer.lr", "optimizer.warmup_steps", "optimizer.min_lr_ratio")
 DATA_KEYS = ("data.path", "data.mix", "train.batch_size", "model.seq_len", "train.seed")  # what the data position means
@@ -136,7 +137,7 @@ def _same_dir(a: str, b: str) -> bool:
 
 def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
     """`SECTION.KEY OLD -> NEW` for each of `keys` whose value differs between two config dicts
-    (model.moe_every only between two MoE models: a dense model has no groups for it to change)."""
+    (model.moe_every and the other MoE shape keys only between two MoE models: a dense model has none)."""
     def value(cfg: dict, key: str):
         section, name = key.split(".")
         return cfg.get(section, {}).get(name, _ABSENT)
@@ -144,11 +145,11 @@ def _changed(was: dict, now: dict, keys: tuple[str, ...]) -> list[str]:
     moe = bool(value(was, "model.moe_experts")) and bool(value(now, "model.moe_experts"))
     return [f"{k} {value(was, k)} -> {value(now, k)}" for k in keys
             if _ABSENT not in (value(was, k), value(now, k)) and value(was, k) != value(now, k)
-            and (k != "model.moe_every" or moe)]
+            and (k == "model.moe_experts" or not k.startswith("model.moe_") or moe)]
 
 
 # Keys whose 0 means a default: compared by what they mean (n_kv_head 0 is n_head, mlp_hidden 0 is 4D).
-_EFFECTIVE = {"n_kv_head": "kv_heads", "mlp_hidden": "mlp_width"}
+_EFFECTIVE = {"n_kv_head": "kv_heads", "mlp_hidden": "mlp_width", "moe_mlp_hidden": "expert_width"}
 
 
 def _model_changes(was: ModelConfig, now: ModelConfig) -> list[str]:
@@ -159,7 +160,8 @@ def _model_changes(was: ModelConfig, now: ModelConfig) -> list[str]:
     def identity(m: ModelConfig) -> dict[str, Any]:
         keys = [k.split(".")[1] for k in SHAPE_KEYS if k.startswith("model.") and k != "model.seq_len"]
         keys += ["logit_softcap"] + (["rope_theta"] if m.position == "rope" else [])
-        return {k: getattr(m, _EFFECTIVE.get(k, k)) for k in keys if k != "moe_every" or m.moe_experts}
+        return {k: getattr(m, _EFFECTIVE.get(k, k)) for k in keys
+                if k == "moe_experts" or not k.startswith("moe_") or m.moe_experts}
 
     a, b = identity(was), identity(now)
     return [f"model.{k} {a[k]} -> {b[k]}" for k in a if k in b and a[k] != b[k]]

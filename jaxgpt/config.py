@@ -128,6 +128,21 @@ class ModelConfig:
                              range=NONNEGATIVE)
     moe_z_coef: float = _f(0.001, "weight of the router z-loss (mean squared logsumexp of router logits)",
                            range=NONNEGATIVE)
+    moe_dispatch: str = _f("capacity", "how tokens reach their experts: capacity (one-hot einsums into "
+                           "moe_capacity_factor slots per expert, assignments beyond them dropped) or dropless "
+                           "(tokens sorted by expert, grouped GEMMs with ragged_dot, nothing dropped; no fp8)",
+                           ("capacity", "dropless"))
+    moe_mlp_hidden: int = _f(0, "each routed expert's hidden width (fine-grained experts: narrower than the dense "
+                             "MLP); 0 = the dense MLP's (mlp_hidden)", range=NONNEGATIVE)
+    moe_shared_experts: int = _f(0, "shared experts every token passes through besides its moe_top_k routed ones "
+                                 "(DeepSeek-MoE), run as one dense MLP of moe_shared_experts x the expert width",
+                                 range=NONNEGATIVE)
+    moe_balance: str = _f("aux", "load balancing: aux (the Switch loss, weighted by moe_aux_coef) or bias "
+                          "(DeepSeek-V3's auxiliary-loss-free balancing: a per-expert routing bias, no gradient, "
+                          "moved by moe_bias_rate against each step's load; the aux loss is then only logged)",
+                          ("aux", "bias"))
+    moe_bias_rate: float = _f(0.001, "moe_balance=bias: the routing bias of an expert above the mean load falls "
+                              "by this much per step, one below it rises by as much", range=POSITIVE)
 
     @property
     def padded_vocab(self) -> int:
@@ -154,6 +169,11 @@ class ModelConfig:
     def mlp_width(self) -> int:
         """The MLP hidden width F (mlp_hidden, or 4 x n_embd when it is 0)."""
         return self.mlp_hidden or 4 * self.n_embd
+
+    @property
+    def expert_width(self) -> int:
+        """Each routed expert's hidden width (moe_mlp_hidden, or the dense MLP's when it is 0)."""
+        return self.moe_mlp_hidden or self.mlp_width
 
 
 @dataclass(frozen=True)
@@ -492,6 +512,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError(f"the ep axis ({sizes['ep']}) does not divide model.moe_experts={m.moe_experts}")
         if m.n_layer % m.moe_every:
             raise UserError(f"model.moe_every={m.moe_every} does not divide model.n_layer={m.n_layer}")
+        if m.moe_dispatch == "dropless" and m.fp8:
+            raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
+                            "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")
         if cfg.checkpoint.init_from_hf:
             raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
                             "set model.moe_experts=0 or drop init_from_hf")

@@ -21,11 +21,21 @@ One gradient all-reduce per step, not per micro-batch
 Left to GSPMD, the gradient of a dp-replicated parameter is all-reduced where it is produced,
 inside the accumulation loop: A micro-batches cost A all-reduces (gpt2-124m at dp=8 with A=16
 moved 9,955 MiB per step instead of ~500). So when dp > 1 the step runs under a `shard_map` that
-is manual over `dp` (and pp, below; fsdp, ep and tp stay automatic inside): each dp shard differentiates with
+is manual over `dp` (and ep, and pp, below; fsdp and tp stay automatic inside): each dp shard differentiates with
 respect to a dp-*varying* copy of the parameters (`pcast`), so its gradient stays local while it
 sums its A micro-batches, and one `pmean` over dp follows the loop. Under fsdp the gradient is
 still reduce-scattered per micro-batch over the fsdp axis: ZeRO-3 keeps only a shard of it, as
 PyTorch FSDP does. Inside the `shard_map` the activation constraints drop `dp` (`mesh.shard`).
+
+ep (> 1) is manual too, for the same reason: left to GSPMD, the gradients of everything ep
+replicates were all-reduced over ep once per micro-batch. Each ep shard holds its E/ep experts
+(their spec names ep) and a varying copy of the rest; the MoE layers move tokens by explicit
+all-to-alls (jaxgpt/model/moe.py, dropless.py). After the loop the replicated gradients take one
+pmean over dp x ep, and an expert's gradient, which the all-to-alls' transposes already summed
+over the ep shards' losses, only a pmean over dp and a division by ep (the loss is their mean).
+
+moe_balance=bias: the routing bias sits among the parameters (jaxgpt/model/balance.py) but is
+split off before differentiation and the optimizer, and moved after the update from the load.
 
 Pipeline parallelism (pp > 1)
 -----------------------------
@@ -56,6 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
+from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
@@ -112,8 +123,8 @@ def make_setup(cfg: Config, mesh: Mesh) -> Setup:
     axes = param_logical_axes(abstract_params)
     param_sh = jax.tree.map(lambda a: named(mesh, a), axes, is_leaf=_is_axes)
     replicated = NamedSharding(mesh, P())
-    abstract_opt = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract_params))
-    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, param_sh,
+    abstract_opt = jax.eval_shape(optimizer.init, split_balance(nnx.to_pure_dict(abstract_params))[0])
+    opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, split_balance(param_sh)[0],
                                    transform_non_params=lambda _: replicated)
     return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes)
 
@@ -130,7 +141,7 @@ def _init(cfg: Config, setup: Setup) -> Callable[[], TrainState]:
     def init() -> TrainState:
         model = GPT(cfg.model, nnx.Rngs(cfg.train.seed))
         params = nnx.to_pure_dict(nnx.split(model, nnx.Param)[1])
-        return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(params))
+        return TrainState(jnp.zeros((), jnp.int32), params, setup.optimizer.init(split_balance(params)[0]))
     return init
 
 
@@ -157,7 +168,8 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     """(objective, metrics) of windows [B, T+1]. The objective is the mean next-token cross-entropy
     (fp32, the head applied a chunk at a time), plus for an MoE model the weighted load-balancing
     and router z-losses; metrics['loss'] is the cross-entropy alone (comparable with val_loss and
-    dense runs), and an MoE model adds moe_aux_loss, moe_z_loss and moe_dropped (jaxgpt/model/moe.py)."""
+    dense runs), and an MoE model adds moe_aux_loss, moe_z_loss, moe_dropped and moe_load, each
+    MoE layer's share of assignments per expert [G, E] (jaxgpt/model/moe.py)."""
     model = nnx.merge(graphdef, params)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
@@ -165,8 +177,9 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
         return loss, {"loss": loss}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
     loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
-    objective = loss + cfg.moe_aux_coef * stats.aux + cfg.moe_z_coef * stats.z
-    return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats, strict=True))}
+    aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0  # bias: the aux loss is only logged
+    objective = loss + aux_coef * stats.aux + cfg.moe_z_coef * stats.z
+    return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load}
 
 
 def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
@@ -212,22 +225,35 @@ class Layout(NamedTuple):
     """How the step splits the work by hand: the mesh axes its shard_map is manual over, the
     params' specs over them, and the pipeline's micro-batches (1 without pp)."""
     manual: tuple[str, ...]
-    param_specs: dict[str, Any]  # P('pp') for the stacked blocks under pp, P() otherwise
+    param_specs: dict[str, Any]  # P('pp') for the stacked blocks under pp, 'ep' on the experts' axis
     microbatches: int
+
+
+# the logical axes whose mesh axis the step's shard_map splits by hand, when that axis is manual
+_MANUAL_PARAM_AXES = {"layers": "pp", "experts": "ep"}
+
+
+def _names(spec: P) -> set[str]:
+    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
 
 
 def manual_layout(cfg: Config, mesh: Mesh, setup: Setup) -> Layout:
     sizes = dict(mesh.shape)
-    manual = tuple(a for a in ("pp", "dp") if sizes[a] > 1)
-    on_pp = lambda axes: P("pp") if sizes["pp"] > 1 and axes[:1] == ("layers",) else P()  # noqa: E731
-    return Layout(manual, jax.tree.map(on_pp, setup.logical_axes, is_leaf=_is_axes),
-                  pipeline_microbatches(cfg, sizes))
+    manual = tuple(a for a in ("pp", "dp", "ep") if sizes[a] > 1)
+
+    def spec(axes: tuple) -> P:
+        entries = [_MANUAL_PARAM_AXES.get(a) if _MANUAL_PARAM_AXES.get(a) in manual else None for a in axes]
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return Layout(manual, jax.tree.map(spec, setup.logical_axes, is_leaf=_is_axes), pipeline_microbatches(cfg, sizes))
 
 
 def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 0.0):
     """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'} and an MoE model's
     moe_* metrics), the state donated. `bubble_fill`: see pipeline.run (tests)."""
-    A, dtype = cfg.train.grad_accum, compute_dtype(cfg.model.dtype)
+    A, dtype, m = cfg.train.grad_accum, compute_dtype(cfg.model.dtype), cfg.model
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
     layout = manual_layout(cfg, mesh, setup)
@@ -236,63 +262,77 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                                       microbatches=layout.microbatches, block_axes=setup.logical_axes["blocks"],
                                       bubble_fill=bubble_fill)
     else:
-        objective = functools.partial(objective_fn, cfg=cfg.model, dtype=dtype)
-    grad_fn = jax.grad(objective, has_aux=True)  # w.r.t. params; the aux output is the metrics
+        objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
+    # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
+    grad_fn = jax.grad(lambda trainable, bias, *args: objective(with_balance(trainable, bias), *args), has_aux=True)
 
-    def metrics_and_grads(params, batch_BT1):
-        grads, metrics = grad_fn(params, setup.graphdef, batch_BT1)
+    def metrics_and_grads(params, bias, batch_BT1):
+        grads, metrics = grad_fn(params, bias, setup.graphdef, batch_BT1)
         return metrics, grads
 
-    def summed_grads(params: dict, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
+    def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
         if A == 1:
-            return metrics_and_grads(params, batch_BT1)
+            return metrics_and_grads(params, bias, batch_BT1)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
 
         def accumulate(carry, micro_BT1):
-            return jax.tree.map(jnp.add, carry, metrics_and_grads(params, micro_BT1)), None
+            return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1)), None
 
-        names = ["loss", *(MOE_METRICS if cfg.model.moe_experts else ())]
-        zeros = vary(({k: jnp.zeros((), jnp.float32) for k in names},
+        names = ["loss", *(MOE_METRICS if m.moe_experts else ())]
+        load = {"moe_load": jnp.zeros((m.n_layer // m.moe_every, m.moe_experts))} if m.moe_experts else {}
+        zeros = vary(({k: jnp.zeros((), jnp.float32) for k in names} | load,
                       jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))
         return jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
 
-    def mean_grads(params: dict, batch_BT1: jax.Array) -> tuple[dict, dict]:
+    def mean_grads(params: dict, bias, batch_BT1: jax.Array) -> tuple[dict, dict]:
         if not layout.manual:
-            return jax.tree.map(lambda x: x / A, summed_grads(params, batch_BT1))
+            return jax.tree.map(lambda x: x / A, summed_grads(params, bias, batch_BT1))
+        specs, bias_spec = split_balance(layout.param_specs)
 
-        def per_shard(params, local_BT1):
+        def per_shard(params, bias, local_BT1):
             # Differentiate w.r.t. a copy of the parameters that varies over every manual axis, so
             # each shard's gradient stays local through the accumulation; one reduction after it
-            # (see the module docstring): pmean over dp, and over pp a psum of the partial gradients
-            # of what every stage uses (embeddings, ln_f); a stage's own blocks need none.
+            # (see the module docstring): pmean over dp, over ep a pmean of what is replicated over
+            # it and, for an expert's weights (split over ep), its gradient as is (the all-to-alls'
+            # transposes already summed it over the ep shards) over ep; over pp a psum of the partial
+            # gradients of what every stage uses (embeddings, ln_f); a stage's own blocks need none.
             to_varying = lambda tree: jax.tree.map(lambda x: pipeline.vary(x, layout.manual), tree)  # noqa: E731
-            metrics, grads = summed_grads(to_varying(params), local_BT1, to_varying)
+            metrics, grads = summed_grads(to_varying(params), bias, local_BT1, to_varying)
 
             def reduce(x, spec=P()):
-                if "dp" in layout.manual:
-                    x = jax.lax.pmean(x, "dp")
+                if "ep" in _names(spec):
+                    x = x / mesh.shape["ep"]
+                if mean_over := tuple(a for a in ("dp", "ep") if a in layout.manual and a not in _names(spec)):
+                    x = jax.lax.pmean(x, mean_over)  # one all-reduce over dp x ep
                 if "pp" in layout.manual and spec == P():
                     x = jax.lax.psum(x, "pp")
                 return x / A
 
-            return jax.tree.map(reduce, metrics), jax.tree.map(reduce, grads, layout.param_specs)
+            return jax.tree.map(reduce, metrics), jax.tree.map(reduce, grads, specs)
 
         params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)} if S > 1 else params
+        batch_axes = tuple(a for a in ("dp", "ep") if a in layout.manual)
         metrics, grads = jax.shard_map(
-            per_shard, mesh=mesh, in_specs=(layout.param_specs, P("dp") if "dp" in layout.manual else P()),
-            out_specs=(P(), layout.param_specs), axis_names=set(layout.manual))(params, batch_BT1)
+            per_shard, mesh=mesh, in_specs=(specs, P() if bias is None else bias_spec, P(batch_axes) if batch_axes else P()),
+            out_specs=(P(), specs), axis_names=set(layout.manual))(params, bias, batch_BT1)
         if S > 1:
             grads = {**grads, "blocks": pipeline.from_stage_major(grads["blocks"], S, R)}
         return metrics, grads
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
-        metrics, grads = mean_grads(state.params, batch_BT1)
+        trainable, bias = split_balance(state.params)
+        metrics, grads = mean_grads(trainable, bias, batch_BT1)
         grad_norm = optax.tree.norm(grads)
-        updates, opt_state = setup.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = setup.optimizer.update(grads, state.opt_state, trainable)
+        params = optax.apply_updates(trainable, updates)
+        load_GE = metrics.pop("moe_load", None)
+        if load_GE is not None:
+            metrics["moe_load_max"] = jnp.max(load_GE) * m.moe_experts  # the busiest expert's load / the mean
+        if bias is not None:
+            params = with_balance(params, move_balance(bias, load_GE, m.moe_bias_rate))
         metrics = {"loss": metrics.pop("loss"), "grad_norm": grad_norm, "lr": schedule(state.step), **metrics}
         return TrainState(state.step + 1, params, opt_state), metrics
 

@@ -3,6 +3,7 @@ the groups an MoE model stacks (gpt.py's docstring: why groups)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -17,11 +18,15 @@ from jaxgpt.parallel.mesh import shard
 
 
 class MoE(nnx.Module):
-    """E expert MLPs (of model.mlp's kind) behind a top-k router (jaxgpt/model/moe.py); the experts'
-    weights carry `experts`."""
+    """E routed expert MLPs (of model.mlp's kind, model.moe_mlp_hidden wide) behind a top-k router
+    (jaxgpt/model/moe.py); the experts' weights carry `experts`. With model.moe_shared_experts = S
+    every token also passes through `shared`, one dense MLP S expert widths wide (S shared experts
+    as one matmul). With model.moe_balance=bias, `router_bias` [E] steers the choice of experts: it
+    sits among the parameters so that checkpoints, sampling and evaluation carry it, but it has no
+    gradient and no optimizer state; the train step moves it (jaxgpt/step.py, `balance`)."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        D, F, E = cfg.n_embd, cfg.mlp_width, cfg.moe_experts
+        D, F, E = cfg.n_embd, cfg.expert_width, cfg.moe_experts
         self.cfg = cfg
         self.router_kernel = param(rngs, (D, E), ("embed", "router"), STD)
         self.c_fc_kernel = param(rngs, (E, D, F), ("experts", "embed", "mlp"), STD)
@@ -32,6 +37,9 @@ class MoE(nnx.Module):
         self.c_proj_kernel = param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (E, D), ("experts", "embed"), None) if cfg.bias else None
         self.fp8 = cfg.fp8
+        shared = dataclasses.replace(cfg, mlp_hidden=cfg.moe_shared_experts * F)
+        self.shared = MLP(shared, rngs) if cfg.moe_shared_experts else None
+        self.router_bias = param(rngs, (E,), ("router",), None) if cfg.moe_balance == "bias" else None
 
     def __call__(self, x_BTD: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEStats]:
         value = lambda p: None if p is None else p[...]  # noqa: E731
@@ -39,8 +47,12 @@ class MoE(nnx.Module):
         experts = Experts(self.c_fc_kernel[...], value(self.c_fc_bias),
                           self.c_gate_kernel[...] if swiglu else None, value(self.c_gate_bias) if swiglu else None,
                           self.c_proj_kernel[...], value(self.c_proj_bias))
-        return moe_mlp(x_BTD, self.router_kernel[...], experts, mlp=self.cfg.mlp, top_k=self.cfg.moe_top_k,
-                       capacity_factor=self.cfg.moe_capacity_factor, drop=drop, fp8=self.fp8)
+        y_BTD, stats = moe_mlp(x_BTD, self.router_kernel[...], experts, mlp=self.cfg.mlp, top_k=self.cfg.moe_top_k,
+                               capacity_factor=self.cfg.moe_capacity_factor, drop=drop, fp8=self.fp8,
+                               dispatch=self.cfg.moe_dispatch, bias_E=value(self.router_bias))
+        if self.shared is not None:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        return y_BTD, stats
 
 
 class Block(nnx.Module):

@@ -125,7 +125,7 @@ class GPT(nnx.Module):
         out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
         if with_moe_stats:
             zero = jnp.zeros((), jnp.float32)
-            return out, MoEStats(zero, zero, zero) if stats is None else stats
+            return out, MoEStats(zero, zero, zero, jnp.zeros((0, 0))) if stats is None else stats
         return out
 
     def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
@@ -155,7 +155,7 @@ class GPT(nnx.Module):
                 return group(x_BTD, apply_block, unroll=unroll)
 
             x_BTD, stats_G = run_groups(x_BTD, self.groups)
-            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G))
+            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_stack(x_BTD: jax.Array, block: Block) -> jax.Array:
@@ -214,7 +214,8 @@ def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp
 
 def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = False) -> int:
     """Parameters of the model (padded vocabulary included), computed without building it.
-    `active`: an MoE block counts only the moe_top_k experts a token passes through (and its router)."""
+    `active`: an MoE block counts only the moe_top_k experts a token passes through (and its router
+    and shared experts). moe_balance=bias's routing bias is no parameter (no gradient): not counted."""
     D, F, L, K, b = cfg.n_embd, cfg.mlp_width, cfg.n_layer, cfg.head_dim, int(cfg.bias)
     mats = 3 if cfg.mlp == "swiglu" else 2
     mlp = mats * D * F + b * ((mats - 1) * F + D)
@@ -223,7 +224,10 @@ def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = 
     per_block = 2 * norm * D + qkv + (D * D + b * D) + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
     moe_blocks = L // cfg.moe_every if cfg.moe_experts else 0
     experts = cfg.moe_top_k if active else cfg.moe_experts
-    moe_extra = moe_blocks * (D * cfg.moe_experts + (experts - 1) * mlp)  # router, and experts beyond one MLP
+    Fe, S = cfg.expert_width, cfg.moe_shared_experts
+    expert = mats * D * Fe + b * ((mats - 1) * Fe + D)
+    shared = mats * D * S * Fe + b * ((mats - 1) * S * Fe + D) if S else 0
+    moe_extra = moe_blocks * (D * cfg.moe_experts + experts * expert + shared - mlp)  # in place of the dense MLP
     position = cfg.seq_len * D if include_position and cfg.position == "learned" else 0
     head = 0 if cfg.tie_embeddings else cfg.padded_vocab * D
     return cfg.padded_vocab * D + head + position + L * per_block + norm * D + moe_extra

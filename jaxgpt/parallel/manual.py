@@ -3,7 +3,7 @@
 Why. cuDNN fused attention is a custom call that XLA's SPMD partitioner cannot split by itself;
 JAX attaches a `custom_partitioning` callback that tells it how. That callback reads the operands'
 shardings as full-mesh `NamedSharding`s, and inside a partially manual `shard_map` (the train
-step's per-dp-shard gradient accumulation, jaxgpt/step.py, manual over dp only) it is handed
+step's per-shard gradient accumulation, jaxgpt/step.py, manual over dp and ep only) it is handed
 shardings it cannot read (`get_num_ways_dim_sharded` asserts, or a `GSPMDSharding` has no
 `.spec`), so XLA:GPU refuses to compile dp=8 and dp x fsdp steps. Attention needs no partitioning
 logic at all: every (batch row, head) is independent. So `per_shard` runs it under a `shard_map`

@@ -123,6 +123,13 @@ def splits(logical: str) -> int:
     return int(np.prod([mesh.shape[a] for a in ((kept,) if isinstance(kept, str) else kept or ())]))
 
 
+def manual_size(axis: str) -> int:
+    """The size of mesh axis `axis` where a `shard_map` splits it by hand around this code (ep inside
+    the train step: jaxgpt/model/moe.py then moves tokens with explicit all-to-alls); 1 otherwise."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.shape[axis] if not mesh.empty and axis in mesh.manual_axes else 1
+
+
 def _without(entry: str | tuple[str, ...] | None, axes: set[str]) -> str | tuple[str, ...] | None:
     kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
     return kept or None
