@@ -13,6 +13,7 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 from __future__ import annotations
 
 import collections
+import math
 import os
 import re
 import subprocess
@@ -56,16 +57,15 @@ def h100s() -> list:
 
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
-    """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'modern' and 'cublas_fp8' (below). Lowered one at a time (tracing holds the GIL), compiled in
-    threads (XLA:GPU's compile mostly runs on one core: 172 s -> 115 s on 2 cores)."""
+    """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8'
+    and 'modern' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles them. Lowered
+    one at a time (tracing holds the GIL), compiled in threads (XLA:GPU's compile mostly runs on one
+    core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
             for name, (mesh, overrides) in TINY_LAYOUTS.items()}
     jobs |= {mesh: (lower_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100"), None)
              for mesh in ("dp=8", "fsdp=8")}
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
-    jobs["cublas_fp8"] = (lower_step(tiny_config(FP8, mesh="dp=8"), h100s, "h100"),
-                          {"xla_gpu_enable_triton_gemm": False})
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(lambda job: job[0].compile(job[1]), jobs.values())))
 
@@ -191,15 +191,43 @@ def test_fp8_runs_every_block_gemm_in_fp8_on_every_layout(tiny):
 
 
 @needs_plugin
-def test_fp8_gemms_are_cublaslt_fp8_calls_when_cublas_is_chosen(compiled):
-    """Without a device XLA:GPU cannot autotune and writes Triton GEMM fusions (fp8 operands, as
-    above); on a real H100 the autotuner may pick cuBLASLt instead. With Triton GEMMs off, every
-    block GEMM is a cuBLASLt fp8 call (`__cublas$lt$matmul$f8`): the fp8 dots survive that route
-    too, and the target description carries the CUDA toolkit version that the rewrite needs."""
-    text = compiled["cublas_fp8"].compiled.as_text()  # compiled with {"xla_gpu_enable_triton_gemm": False}
+def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
+    """A real H100's autotuner picks cuBLASLt for the fp8 GEMMs (144 calls in gpt2-124m's measured
+    step), so a step with fp8 is compiled with Triton GEMMs off (jaxgpt.gpu.target.FP8_OPTIONS):
+    every block GEMM is a cuBLASLt fp8 call, `__cublas$lt$matmul$f8`, and the target description
+    carries the CUDA toolkit version that the rewrite needs."""
+    text = tiny["dp8_accum2_fp8"]
     assert _block_gemms(text) == {(layer, role): n for layer in ("qkv", "attn_out", "mlp_in", "mlp_out")
                                   for role, n in (("forward", 1), ("backward", 2))}
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 12
+
+
+def _block_weight_elements(cfg, tp: int) -> int:
+    """Elements of one block's linear-layer weights on one tp shard (heads and MLP units split)."""
+    m = cfg.model
+    qkv = m.n_embd * (m.n_head + 2 * m.kv_heads) * m.head_dim
+    mlp = (3 if m.mlp == "swiglu" else 2) * m.n_embd * m.mlp_width
+    return (qkv + m.n_head * m.head_dim * m.n_embd + mlp) // tp
+
+
+@needs_plugin
+def test_fsdp_gathers_fp8_block_weights(tiny, modern, gpt2):
+    """Under fsdp with model.fp8=true each block weight is quantized on its shard and gathered as
+    e4m3 (jaxgpt/model/fp8.py): no matrix is gathered in bf16 any more (the embedding and the norms
+    are gathered in fp32, as without fp8), and the f8 gathers hold at
+    least one whole block's weights at 1 byte an element, half the bf16 gathers' bytes (gpt2-124m
+    fsdp=8 without fp8, for comparison: every block weight gathered in bf16)."""
+    layouts = {name: (tiny[name], TINY_LAYOUTS[name]) for name in FP8_LAYOUTS if "fsdp" in TINY_LAYOUTS[name][0]}
+    layouts["modern"] = (modern, ("dp=2,fsdp=2,tp=2", MODERN))
+    assert len(layouts) == 5
+    for name, (text, (mesh, overrides)) in layouts.items():
+        gathered = [(dtype, [int(d) for d in dims.split(",")]) for dtype, dims in _gathered(text)]
+        assert not [dims for dtype, dims in gathered if dtype == "bf16" and len(dims) >= 2], name
+        tp = int(m.group(1)) if (m := re.search(r"tp=(\d+)", mesh)) else 1
+        f8_elements = sum(math.prod(dims) for dtype, dims in gathered if dtype == "f8e4m3fn")
+        assert f8_elements >= _block_weight_elements(tiny_config(*overrides, mesh=mesh), tp), name
+    bf16 = [dtype for dtype, dims in _gathered(gpt2["fsdp=8"][0]) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
+    assert bf16 and set(bf16) == {"bf16"}
 
 
 @needs_plugin
