@@ -52,7 +52,7 @@ quantization"; a norm or activation fused with its cast lands there whole. jaxgp
 step with fp8 with Triton GEMMs off (jaxgpt/gpu/target.py FP8_OPTIONS), the cuBLASLt route a real
 GPU's autotuner took, so the transposed copies cuBLASLt needs are in the program. On the four fp8
 steps measured on 2026-11-26 (gpt2-124m and gpt2-1.3b on an H100 and an H200) the predictions are
-within -4% to +N% (docs/benchmarks.md, "fp8 in the step-time model"); the Triton program the
+within -3.9% to +0.1% (docs/benchmarks.md, "fp8 in the step-time model"); the Triton program the
 deviceless compile writes by default has no such copies and was predicted 16-20% short.
 
 Known blind spots: kernels on other streams are serialised (an upper bound where XLA overlaps

@@ -30,7 +30,9 @@ Its e4m3 copy is constrained to the parameter's own sharding (`linear`'s w_axes,
 logical axes), so the cast runs on each device's shard (the amax of a shard, then an all-reduce of
 one scalar) and the all-gather moves 1 byte an element instead of bf16's 2; the backward pass
 gathers the saved e4m3 shard again for dx, as fsdp regathers a weight (tests/test_gpu_compile.py
-reads the f8 all-gathers in the compiled H100 step).
+reads the f8 all-gathers in the compiled H100 step). A pipelined step is left alone: its stage
+weights are gathered whole in fp32 once per round of the schedule (`pipeline.gather_once`), and
+re-splitting them for an f8 gather per use would add traffic, not save it.
 
 Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
 the quantization as the identity (straight-through) and runs both gradient GEMMs in fp8 too:
@@ -148,4 +150,6 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = Non
     w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
     so the cast runs on each device's shard and fsdp's all-gather moves 1 byte an element."""
     _operands(spec)
+    if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
+        w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
     return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype))
