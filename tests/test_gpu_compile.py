@@ -13,7 +13,6 @@ Needs the CUDA plugin (`pip install -e ".[test,gpu-compile]"`, what CI runs)."""
 from __future__ import annotations
 
 import collections
-import math
 import os
 import re
 import subprocess
@@ -202,32 +201,35 @@ def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 12
 
 
-def _block_weight_elements(cfg, tp: int) -> int:
-    """Elements of one block's linear-layer weights on one tp shard (heads and MLP units split)."""
+def _block_weights(cfg, tp: int) -> dict[str, tuple[int, ...]]:
+    """Each block linear's weight as one tp shard holds it whole over fsdp (heads and MLP units
+    split over tp): name -> its dimensions, sorted (a gather may lay them out in another order)."""
     m = cfg.model
-    qkv = m.n_embd * (m.n_head + 2 * m.kv_heads) * m.head_dim
-    mlp = (3 if m.mlp == "swiglu" else 2) * m.n_embd * m.mlp_width
-    return (qkv + m.n_head * m.head_dim * m.n_embd + mlp) // tp
+    D, H, G, K, F = m.n_embd, m.n_head // tp, m.kv_heads // tp, m.head_dim, m.mlp_width // tp
+    qkv = {"qkv": (D, 3, H, K)} if G == H else {"q": (D, H, K), "kv": (D, 2, G, K)}
+    gate = {"mlp_gate": (D, F)} if m.mlp == "swiglu" else {}
+    return {name: tuple(sorted(dims)) for name, dims in
+            {**qkv, "attn_out": (H, K, D), "mlp_in": (D, F), **gate, "mlp_out": (F, D)}.items()}
 
 
 @needs_plugin
 def test_fsdp_gathers_fp8_block_weights(tiny, modern, gpt2):
     """Under fsdp with model.fp8=true each block weight is quantized on its shard and gathered as
-    e4m3 (jaxgpt/model/fp8.py): no matrix is gathered in bf16 any more (the embedding and the norms
-    are gathered in fp32, as without fp8), and the f8 gathers hold at
-    least one whole block's weights at 1 byte an element, half the bf16 gathers' bytes (gpt2-124m
-    fsdp=8 without fp8, for comparison: every block weight gathered in bf16). A pipeline gathers its
-    stage's fp32 weights once per round instead (pipeline.gather_once), fp8 or not."""
+    e4m3 (jaxgpt/model/fp8.py): every all-gather of a block weight returns f8e4m3fn, 1 byte an
+    element, half the bytes of the bf16 gathers without fp8 (gpt2-124m fsdp=8, for comparison: every
+    block weight gathered in bf16). A pipeline gathers its stage's fp32 weights once per round
+    instead (pipeline.gather_once), fp8 or not."""
     layouts = {name: (tiny[name], TINY_LAYOUTS[name]) for name in FP8_LAYOUTS
                if "fsdp" in TINY_LAYOUTS[name][0] and "pp" not in TINY_LAYOUTS[name][0]}
     layouts["modern"] = (modern, ("dp=2,fsdp=2,tp=2", MODERN))
     assert len(layouts) == 4
     for name, (text, (mesh, overrides)) in layouts.items():
-        gathered = [(dtype, [int(d) for d in dims.split(",")]) for dtype, dims in _gathered(text)]
-        assert not [dims for dtype, dims in gathered if dtype == "bf16" and len(dims) >= 2], name
         tp = int(m.group(1)) if (m := re.search(r"tp=(\d+)", mesh)) else 1
-        f8_elements = sum(math.prod(dims) for dtype, dims in gathered if dtype == "f8e4m3fn")
-        assert f8_elements >= _block_weight_elements(tiny_config(*overrides, mesh=mesh), tp), name
+        weights = _block_weights(tiny_config(*overrides, mesh=mesh), tp)
+        gathered = [(dtype, tuple(sorted(int(d) for d in dims.split(",")))) for dtype, dims in _gathered(text)]
+        of_weights = [(dtype, dims) for dtype, dims in gathered if dims in weights.values()]
+        assert {dtype for dtype, _ in of_weights} == {"f8e4m3fn"}, (name, of_weights)
+        assert {dims for _, dims in of_weights} == set(weights.values()), (name, weights, of_weights)
     bf16 = [dtype for dtype, dims in _gathered(gpt2["fsdp=8"][0]) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
     assert bf16 and set(bf16) == {"bf16"}
 
