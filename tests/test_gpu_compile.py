@@ -203,12 +203,13 @@ def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
 
 def _block_weights(cfg, tp: int) -> dict[str, tuple[int, ...]]:
     """Each block linear's weight as one tp shard holds it whole over fsdp (heads and MLP units
-    split over tp): name -> its dimensions, sorted (a gather may lay them out in another order)."""
+    split over tp): name -> its dimensions, sorted and without 1s (a gather may lay them out in
+    another order, and drops a dimension of 1: grouped-query kv with one kv head per tp shard)."""
     m = cfg.model
     D, H, G, K, F = m.n_embd, m.n_head // tp, m.kv_heads // tp, m.head_dim, m.mlp_width // tp
     qkv = {"qkv": (D, 3, H, K)} if G == H else {"q": (D, H, K), "kv": (D, 2, G, K)}
     gate = {"mlp_gate": (D, F)} if m.mlp == "swiglu" else {}
-    return {name: tuple(sorted(dims)) for name, dims in
+    return {name: tuple(sorted(d for d in dims if d != 1)) for name, dims in
             {**qkv, "attn_out": (H, K, D), "mlp_in": (D, F), **gate, "mlp_out": (F, D)}.items()}
 
 
@@ -226,7 +227,7 @@ def test_fsdp_gathers_fp8_block_weights(tiny, modern, gpt2):
     for name, (text, (mesh, overrides)) in layouts.items():
         tp = int(m.group(1)) if (m := re.search(r"tp=(\d+)", mesh)) else 1
         weights = _block_weights(tiny_config(*overrides, mesh=mesh), tp)
-        gathered = [(dtype, tuple(sorted(int(d) for d in dims.split(",")))) for dtype, dims in _gathered(text)]
+        gathered = [(dtype, tuple(sorted(int(d) for d in dims.split(",") if d != "1"))) for dtype, dims in _gathered(text)]
         of_weights = [(dtype, dims) for dtype, dims in gathered if dims in weights.values()]
         assert {dtype for dtype, _ in of_weights} == {"f8e4m3fn"}, (name, of_weights)
         assert {dims for _, dims in of_weights} == set(weights.values()), (name, weights, of_weights)
