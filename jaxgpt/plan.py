@@ -239,11 +239,15 @@ class Lowered(NamedTuple):
     why: str
     seconds: float         # tracing + lowering
     target: str | None     # 'h100' or 'h200' for compile-only GPUs
+    fp8: bool = False      # the step has fp8 GEMMs (model.fp8 or model.fp8_head)
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         from jaxgpt.gpu import target as gpu_target
         started = time.perf_counter()
-        options = {**(gpu_target.DEVICELESS_OPTIONS if self.target else {}), **(compiler_options or {})}
+        base = {}
+        if self.target:  # fp8 GEMMs as the cuBLASLt calls a real GPU's autotuner picks (gpu/target.py)
+            base = gpu_target.FP8_OPTIONS if self.fp8 else gpu_target.DEVICELESS_OPTIONS
+        options = {**base, **(compiler_options or {})}
         compiled = self.lowered.compile(options or None)
         return Compiled(compiled, self.state, self.batch, self.sizes, self.dtype, self.kernel, self.why,
                         self.seconds + time.perf_counter() - started)
@@ -273,7 +277,8 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
         state, batch = abstract_inputs(cfg, mesh, setup)
         with jax.set_mesh(mesh):
             lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
-    return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target)
+    return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target,
+                   cfg.model.fp8 or cfg.model.fp8_head)
 
 
 def compile_step(cfg: Config, devices: Sequence, target: str | None = None,

@@ -174,3 +174,15 @@ def test_yaml_merge_keys_still_override():
     """`<<: *anchor` then a key of the anchor's: an override, not a key given twice."""
     from jaxgpt.files import load_yaml
     assert load_yaml("a: &x {b: 1, d: 0}\nc:\n  <<: *x\n  d: 2\n") == {"a": {"b": 1, "d": 0}, "c": {"b": 1, "d": 2}}
+
+
+def test_llama_8b_has_llama_3_8b_shape_and_its_layouts_validate():
+    """configs/llama-8b.yaml: Llama-3-8B's shape (8.03B parameters with its 128,256-token
+    vocabulary, 7.39B with GPT-2's), for 8 GPUs under fsdp=8 and, 4 layers of it, for one. Its
+    compiles for H100 are too long for the suite: docs/benchmarks.md has the plan commands."""
+    from jaxgpt.model.gpt import param_count
+    cfg = load_config("llama-8b", [], "fsdp=8")
+    assert validate(cfg, 8) == {"pp": 1, "dp": 1, "fsdp": 8, "ep": 1, "tp": 1}
+    llama3 = dataclasses.replace(cfg.model, vocab_size=128256)
+    assert round(param_count(llama3) / 1e9, 2) == 8.03 and round(param_count(cfg.model) / 1e9, 2) == 7.39
+    assert validate(load_config("llama-8b", ["model.n_layer=4"]), 1)["fsdp"] == 1

@@ -251,3 +251,62 @@ def test_an_async_collective_hides_behind_the_compute_scheduled_inside_it():
     serial = serial.replace("  %agd = f32[4000]{0} all-gather-done(%ags)\n", "  %agd = f32[4000]{0} all-gather-done(%ags)\n"
                             "  %add.1 = f32[250000]{0} fusion(%x, %x), kind=kLoop, calls=%add_computation\n")
     assert cost.estimate(serial, P, n_devices=4)["collectives_hidden_seconds"] == 0
+
+
+FP8_PATH = """HloModule m
+
+%fused_quantize (p0: bf16[1024,512], s: f32[]) -> f8e4m3fn[1024,512] {
+  %p0 = bf16[1024,512]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %x = f32[1024,512]{1,0} convert(%p0), metadata={op_name="jit(f)/jvp()/qkv/convert_element_type"}
+  %b = f32[1024,512]{1,0} broadcast(%s), dimensions={}
+  %d = f32[1024,512]{1,0} divide(%x, %b), metadata={op_name="jit(f)/jvp()/qkv/div"}
+  ROOT %q = f8e4m3fn[1024,512]{1,0} convert(%d), metadata={op_name="jit(f)/jvp()/qkv/convert_element_type"}
+}
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%fused_amax (p0: bf16[1024,512]) -> f32[] {
+  %p0 = bf16[1024,512]{1,0} parameter(0)
+  %x = f32[1024,512]{1,0} convert(%p0)
+  %abs = f32[1024,512]{1,0} abs(%x), metadata={op_name="jit(f)/jvp()/qkv/abs"}
+  %zero = f32[] constant(0)
+  ROOT %r = f32[] reduce(%abs, %zero), dimensions={0,1}, to_apply=%max, metadata={op_name="jit(f)/jvp()/qkv/reduce_max"}
+}
+
+%fused_gelu (p0: bf16[1024,512]) -> bf16[1024,512] {
+  %p0 = bf16[1024,512]{1,0} parameter(0)
+  ROOT %t = bf16[1024,512]{1,0} tanh(%p0), metadata={op_name="jit(f)/jvp()/mlp/tanh"}
+}
+
+ENTRY %main (x: bf16[1024,512], w: f8e4m3fn[512,2048]) -> bf16[1024,2048] {
+  %x = bf16[1024,512]{1,0} parameter(0)
+  %w = f8e4m3fn[512,2048]{1,0} parameter(1)
+  %g = bf16[1024,512]{1,0} fusion(%x), kind=kLoop, calls=%fused_gelu, metadata={op_name="jit(f)/jvp()/mlp/tanh"}
+  %amax = f32[] fusion(%g), kind=kInput, calls=%fused_amax, metadata={op_name="jit(f)/jvp()/qkv/reduce_max"}
+  %q = f8e4m3fn[1024,512]{1,0} fusion(%g, %amax), kind=kLoop, calls=%fused_quantize, metadata={op_name="jit(f)/jvp()/qkv/convert_element_type"}
+  %wt = f8e4m3fn[512,2048]{0,1} copy(%w)
+  ROOT %gemm = (bf16[1024,2048]{1,0}, s8[1024]{0}) custom-call(%q, %wt), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+}
+"""
+
+
+def test_fp8_path_costs_its_amax_casts_and_f8_copies_in_their_own_group():
+    """The kernels model.fp8 adds around a GEMM (jaxgpt/model/fp8.py) are costed as memory-bound
+    kernels in the 'fp8 quantization' group: the amax reduction, the scaled cast to e4m3, and the
+    transposed f8 copy cuBLASLt needs (1 byte an element each way); the producer stays where it was,
+    and the cuBLASLt fp8 GEMM runs at twice the bf16 peak."""
+    ks = {k.name: k for k in cost.kernels(FP8_PATH, P)[0]}
+    assert ks["g"].group == cost.ELEMENTWISE
+    assert {ks[n].group for n in ("amax", "q", "wt")} == {cost.FP8}
+    assert ks["amax"].bytes == 2 * 1024 * 512 + 4
+    assert ks["q"].bytes == 2 * 1024 * 512 + 4 + 1024 * 512
+    assert ks["wt"].bytes == 2 * 512 * 2048 and ks["wt"].seconds == pytest.approx(2 * 512 * 2048 / 1e9 + 1e-6)
+    gemm = ks["gemm"]
+    assert gemm.group == cost.GEMM and gemm.flops == 2 * 1024 * 2048 * 512
+    assert gemm.seconds == pytest.approx(max(gemm.flops / (2e12 * 512 / 528), gemm.bytes / 1e9) + 1e-6)
+    assert gemm.bytes == 1024 * 512 + 512 * 2048 + 2 * 1024 * 2048  # e4m3 operands, bf16 result

@@ -63,16 +63,15 @@ def h100s() -> list:
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
     """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'gpt2_one_gpu', 'modern' and 'cublas_fp8' (below). Lowered one at a time (tracing holds the GIL), compiled in
-    threads (XLA:GPU's compile mostly runs on one core: 172 s -> 115 s on 2 cores)."""
+    'gpt2_one_gpu' and 'modern' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
+    them. Lowered one at a time (tracing holds the GIL), compiled in threads (XLA:GPU's compile
+    mostly runs on one core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
             for name, (mesh, overrides) in TINY_LAYOUTS.items()}
     jobs |= {mesh: (lower_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100"), None)
              for mesh in ("dp=8", "fsdp=8")}
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
-    jobs["cublas_fp8"] = (lower_step(tiny_config(FP8, mesh="dp=8"), h100s, "h100"),
-                          {"xla_gpu_enable_triton_gemm": False})
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(lambda job: job[0].compile(job[1]), jobs.values())))
 
@@ -248,15 +247,49 @@ def test_fp8_runs_every_block_gemm_in_fp8_on_every_layout(tiny):
 
 
 @needs_plugin
-def test_fp8_gemms_are_cublaslt_fp8_calls_when_cublas_is_chosen(compiled):
-    """Without a device XLA:GPU cannot autotune and writes Triton GEMM fusions (fp8 operands, as
-    above); on a real H100 the autotuner may pick cuBLASLt instead. With Triton GEMMs off, every
-    block GEMM is a cuBLASLt fp8 call (`__cublas$lt$matmul$f8`): the fp8 dots survive that route
-    too, and the target description carries the CUDA toolkit version that the rewrite needs."""
-    text = compiled["cublas_fp8"].compiled.as_text()  # compiled with {"xla_gpu_enable_triton_gemm": False}
+def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
+    """A real H100's autotuner picks cuBLASLt for the fp8 GEMMs (144 calls in gpt2-124m's measured
+    step), so a step with fp8 is compiled with Triton GEMMs off (jaxgpt.gpu.target.FP8_OPTIONS):
+    every block GEMM is a cuBLASLt fp8 call, `__cublas$lt$matmul$f8`, and the target description
+    carries the CUDA toolkit version that the rewrite needs."""
+    text = tiny["dp8_accum2_fp8"]
     assert _block_gemms(text) == {(layer, role): n for layer in ("qkv", "attn_out", "mlp_in", "mlp_out")
                                   for role, n in (("forward", 1), ("backward", 2))}
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 12
+
+
+def _block_weights(cfg, tp: int) -> dict[str, tuple[int, ...]]:
+    """Each block linear's weight as one tp shard holds it whole over fsdp (heads and MLP units
+    split over tp): name -> its dimensions, sorted and without 1s (a gather may lay them out in
+    another order, and drops a dimension of 1: grouped-query kv with one kv head per tp shard)."""
+    m = cfg.model
+    D, H, G, K, F = m.n_embd, m.n_head // tp, m.kv_heads // tp, m.head_dim, m.mlp_width // tp
+    qkv = {"qkv": (D, 3, H, K)} if G == H else {"q": (D, H, K), "kv": (D, 2, G, K)}
+    gate = {"mlp_gate": (D, F)} if m.mlp == "swiglu" else {}
+    return {name: tuple(sorted(d for d in dims if d != 1)) for name, dims in
+            {**qkv, "attn_out": (H, K, D), "mlp_in": (D, F), **gate, "mlp_out": (F, D)}.items()}
+
+
+@needs_plugin
+def test_fsdp_gathers_fp8_block_weights(tiny, modern, gpt2):
+    """Under fsdp with model.fp8=true each block weight is quantized on its shard and gathered as
+    e4m3 (jaxgpt/model/fp8.py): every all-gather of a block weight returns f8e4m3fn, 1 byte an
+    element, half the bytes of the bf16 gathers without fp8 (gpt2-124m fsdp=8, for comparison: every
+    block weight gathered in bf16). A pipeline gathers its stage's fp32 weights once per round
+    instead (pipeline.gather_once), fp8 or not."""
+    layouts = {name: (tiny[name], TINY_LAYOUTS[name]) for name in FP8_LAYOUTS
+               if "fsdp" in TINY_LAYOUTS[name][0] and "pp" not in TINY_LAYOUTS[name][0]}
+    layouts["modern"] = (modern, ("dp=2,fsdp=2,tp=2", MODERN))
+    assert len(layouts) == 4
+    for name, (text, (mesh, overrides)) in layouts.items():
+        tp = int(m.group(1)) if (m := re.search(r"tp=(\d+)", mesh)) else 1
+        weights = _block_weights(tiny_config(*overrides, mesh=mesh), tp)
+        gathered = [(dtype, tuple(sorted(int(d) for d in dims.split(",") if d != "1"))) for dtype, dims in _gathered(text)]
+        of_weights = [(dtype, dims) for dtype, dims in gathered if dims in weights.values()]
+        assert {dtype for dtype, _ in of_weights} == {"f8e4m3fn"}, (name, of_weights)
+        assert {dims for _, dims in of_weights} == set(weights.values()), (name, weights, of_weights)
+    bf16 = [dtype for dtype, dims in _gathered(gpt2["fsdp=8"][0]) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
+    assert bf16 and set(bf16) == {"bf16"}
 
 
 @needs_plugin

@@ -47,7 +47,21 @@ model), loss (the chunked head's softmax and cross-entropy, named scope `head`),
 accumulation (inside the accumulation loop but outside the differentiated model: the gradient
 sums), optimizer update (outside every loop and the model: clipping, AdamW), data movement
 (fusions that only copy, cast, transpose, slice or fill: zero-init of scan buffers, layout
-changes, bf16 weight copies), collectives, other (loop conditions, unknown custom calls).
+changes, bf16 weight copies), fp8 quantization (below), collectives, other (loop conditions,
+unknown custom calls).
+
+fp8 (`model.fp8`)
+-----------------
+An fp8 GEMM runs at twice the bf16 peak, at the same efficiency and wave quantization. What the
+fp8 path adds around it is read from the program like everything else: every non-GEMM kernel that
+writes or reads an f8 array (the scaled casts, the transposed f8 copies) or takes an amax for a
+scale (a max reduction under a GEMM's named scope) is costed by its bytes in the group "fp8
+quantization"; a norm or activation fused with its cast lands there whole. jaxgpt.plan compiles a
+step with fp8 with Triton GEMMs off (jaxgpt/gpu/target.py FP8_OPTIONS), the cuBLASLt route a real
+GPU's autotuner took, so the transposed copies cuBLASLt needs are in the program. On the four fp8
+steps measured on 2026-11-26 (gpt2-124m and gpt2-1.3b on an H100 and an H200) the predictions are
+within -3.9% to +0.1% (docs/benchmarks.md, "fp8 in the step-time model"); the Triton program the
+deviceless compile writes by default has no such copies and was predicted 16-20% short.
 
 Known blind spots: kernels other than async collectives are serialised (an upper bound where XLA
 overlaps other async work), cache reuse between kernels is ignored (a lower bound's opposite: small operands
@@ -65,13 +79,16 @@ from jaxgpt import hlo
 from jaxgpt.gpu.perf import Perf, attention_efficiency
 
 GROUPS = ("GEMMs", "attention", "norms/elementwise", "loss (head softmax, cross-entropy)", "grad accumulation",
-          "optimizer update", "data movement (copy, cast, transpose, zero-init)", "collectives", "other")
-GEMM, ATTENTION, ELEMENTWISE, LOSS, ACCUMULATE, OPTIMIZER, MOVEMENT, COLLECTIVE, OTHER = GROUPS
+          "optimizer update", "data movement (copy, cast, transpose, zero-init)",
+          "fp8 quantization (amax, scaled cast, f8 copies)", "collectives", "other")
+GEMM, ATTENTION, ELEMENTWISE, LOSS, ACCUMULATE, OPTIMIZER, MOVEMENT, FP8, COLLECTIVE, OTHER = GROUPS
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "domain"}
 _MOVEMENT = _FREE | {"copy", "transpose", "convert", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
                      "reshape", "concatenate", "pad", "iota"}
+# an amax for an fp8 scale: a max reduction under one of jaxgpt's GEMM scopes (jaxgpt/model/fp8.py quantize)
+_AMAX = re.compile(r"/(" + "|".join(hlo.LAYERS) + r")/reduce_max$")
 _COLLECTIVE = re.compile(r"^(" + "|".join(hlo.COLLECTIVES) + r")(-start)?$")
 # XLA attention (jax.nn.dot_product_attention, implementation='xla'): its einsums and softmax
 _XLA_ATTENTION = re.compile(r"BTNH,BSNH->BNTS|BNTS,BSNH->BTNH|dot_product_attention|_softmax|/softmax")
@@ -230,6 +247,13 @@ def _fused_bytes(comp: list[Instr]) -> float:
     return total
 
 
+def _fp8_work(shape: str, body: list[Instr], op_names: list[str]) -> bool:
+    """A kernel (other than a GEMM) that the fp8 path adds: it writes or reads an f8 array (a scaled
+    cast, a transposed f8 copy for cuBLASLt) or takes an amax. A norm or activation fused with its
+    cast counts here whole: the bytes of such a fusion are the producer's and the cast's together."""
+    return "f8e" in shape or any("f8e" in d.shape for d in body) or any(_AMAX.search(n) for n in op_names)
+
+
 def _called(line: str) -> list[str]:
     return re.findall(r"\bcalls=%?([\w.\-]+)", line)
 
@@ -353,8 +377,8 @@ class _Walker:
                 seconds = sum(gemm_seconds(g, nbytes / len(gs), p) for g in gs) - (len(gs) - 1) * p.launch_seconds
                 return Kernel(i.name, group, times, flops, nbytes, seconds)
             names = [own_name] + [m.group(1) for d in body if (m := re.search(r'op_name="([^"]*)"', d.line))]
-            return Kernel(i.name, self._group(names, {d.opcode for d in body}, depth), times, 0.0, nbytes,
-                          memory_seconds(nbytes, p))
+            group = FP8 if _fp8_work(i.shape, body, names) else self._group(names, {d.opcode for d in body}, depth)
+            return Kernel(i.name, group, times, 0.0, nbytes, memory_seconds(nbytes, p))
         # an unfused op: copy, transpose, an in-place dynamic-update-slice, a reduce, ...
         if op in ("dynamic-update-slice",) and len(operand_types) > 1:
             nbytes = 2.0 * hlo.shape_bytes(operand_types[1])
@@ -363,6 +387,8 @@ class _Walker:
         else:
             nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
         group = MOVEMENT if op in _MOVEMENT or op == "copy-start" else self._group([own_name], {op}, depth)
+        if _fp8_work(i.shape, [i], [own_name]):
+            group = FP8
         return Kernel(i.name, group, times, 0.0, nbytes, memory_seconds(nbytes, self.p))
 
     @staticmethod

@@ -23,7 +23,8 @@ XLA:GPU's own: cuDNN fused attention, fp8 GEMM rewrites, the collectives XLA:GPU
   is installed the real library answers instead.
 - With no device there is no autotuning: GEMM kernel choices may differ from a real GPU's. Compile
   with DEVICELESS_OPTIONS (below; jaxgpt.plan does): the autotuner at its default level spends
-  most of a small step's compile choosing tiles it cannot time.
+  most of a small step's compile choosing tiles it cannot time. A step with fp8 GEMMs is compiled
+  with FP8_OPTIONS, the cuBLASLt route a real GPU takes for them.
 """
 
 from __future__ import annotations
@@ -88,6 +89,13 @@ def plugin_missing_reason() -> str | None:
 # the GEMM fusions' backend configs, the same memory analysis and predicted step time (gpt2-124m on one
 # H100: 956 ms, 43.1 GB temp, either way), sooner: the tiny step 11.6 -> 5.7 s, gpt2-124m 24 -> 21 s.
 DEVICELESS_OPTIONS = {"xla_gpu_autotune_level": 0}
+# A step with fp8 GEMMs is compiled with Triton GEMMs off: on a real H100 and H200 the autotuner chose
+# cuBLASLt for every fp8 GEMM (144 `__cublas$lt$matmul$f8` calls in gpt2-124m's step, 2026-11-26),
+# and cuBLASLt's fp8 kernels take only operands whose contracting dimension is the minor one, so
+# XLA writes a transposed copy of every other operand (the dw GEMMs' activations and gradients)
+# in separate kernels. A deviceless compile left to itself keeps Triton GEMM fusions, which read
+# any layout: no such kernel, and a step-time prediction 16-20% short (jaxgpt/gpu/cost.py).
+FP8_OPTIONS = {**DEVICELESS_OPTIONS, "xla_gpu_enable_triton_gemm": False}
 
 
 def compile_only_devices(target: str, n: int) -> list:

@@ -33,8 +33,7 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
-from jaxgpt.model.fp8 import linear
-from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, param
+from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
 from jaxgpt.model.positions import rope
 from jaxgpt.parallel.manual import per_shard
 from jaxgpt.parallel.mesh import shard
@@ -135,14 +134,13 @@ class Attention(nnx.Module):
 
     def _qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, K], k and v [B, T, G, K]; one GEMM (multi-head) or two (grouped), all named qkv."""
-        dt = x_BTD.dtype
         if not self.grouped:
-            qkv_BT3HK = add_bias(linear("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel[...].astype(dt), self.fp8),
+            qkv_BT3HK = add_bias(dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, self.fp8),
                               self.c_attn_bias)
             qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
             return tuple(qkv_BT3HK[:, :, i] for i in range(3))
-        q_BTHK = add_bias(linear("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel[...].astype(dt), self.fp8), self.q_bias)
-        kv_BT2GK = add_bias(linear("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel[...].astype(dt), self.fp8),
+        q_BTHK = add_bias(dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, self.fp8), self.q_bias)
+        kv_BT2GK = add_bias(dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, self.fp8),
                          self.kv_bias)
         kv_BT2GK = shard(kv_BT2GK, "batch", "seq", None, "act_heads", None)
         return shard(q_BTHK, "batch", "seq", "act_heads", None), kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
@@ -167,6 +165,6 @@ class Attention(nnx.Module):
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK.astype(dt), v_BSGK.astype(dt),
                                                     mask=visible_TS[None, None], implementation="xla")
             kv = KV(k_BSGK, v_BSGK)
-        y_BTD = linear("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel[...].astype(dt), self.fp8)
+        y_BTD = dense("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, self.fp8)
         y_BTD = add_bias(y_BTD, self.c_proj_bias)
         return y_BTD if kv is None else (y_BTD, kv)

@@ -25,6 +25,15 @@ formed on a real H100 (docs/benchmarks.md). Flax and Transformer Engine moved to
 for the same reason. On CPU, XLA upcasts the fp8 operands and computes the same products exactly
 (an e4m3 x e4m3 or e5m2 x e4m3 product is exact in fp32), which is what the CPU tests check.
 
+Weights under fsdp. A block weight is split over fsdp along its width and gathered before its GEMM.
+Its e4m3 copy is constrained to the parameter's own sharding (`linear`'s w_axes, the Param's
+logical axes), so the cast runs on each device's shard (the amax of a shard, then an all-reduce of
+one scalar) and the all-gather moves 1 byte an element instead of bf16's 2; the backward pass
+gathers the saved e4m3 shard again for dx, as fsdp regathers a weight (tests/test_gpu_compile.py
+reads the f8 all-gathers in the compiled H100 step). A pipelined step is left alone: its stage
+weights are gathered whole in fp32 once per round of the schedule (`pipeline.gather_once`), and
+re-splitting them for an f8 gather per use would add traffic, not save it.
+
 Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
 the quantization as the identity (straight-through) and runs both gradient GEMMs in fp8 too:
 dx = dy . w^T and dw = x^T . dy, with dy quantized to e5m2 and the saved e4m3 operands of the
@@ -45,6 +54,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from jaxgpt.parallel.mesh import shard
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
@@ -97,18 +108,20 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
     return (out * (sx * sy)).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(spec, x, w)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fp8_einsum(spec: str, w_axes: tuple | None, x: jax.Array, w: jax.Array) -> jax.Array:
+    return _forward(spec, w_axes, x, w)[0]
 
 
-def _forward(spec, x, w):
+def _forward(spec, w_axes, x, w):
     x_q, sx = quantize(x, E4M3)
     w_q, sw = quantize(w, E4M3)
+    if w_axes is not None:  # the fp8 copy stays sharded like the parameter: fsdp gathers f8, not bf16
+        w_q = shard(w_q, *w_axes)
     return scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
 
 
-def _backward(spec, residuals, dy):
+def _backward(spec, w_axes, residuals, dy):
     x_q, sx, w_q, sw = residuals
     a, b, out = _operands(spec)
     dy_q, sdy = quantize(dy, E5M2)
@@ -120,18 +133,23 @@ def _backward(spec, residuals, dy):
 _fp8_einsum.defvjp(_forward, _backward)
 
 
-def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool) -> jax.Array:
+def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None) -> jax.Array:
     """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
     ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
     gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
     the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
-    tells which layer each GEMM belongs to."""
+    tells which layer each GEMM belongs to. w_axes: the weight's logical axes (its Param's), see
+    `fp8_einsum`."""
     with jax.named_scope(name):
-        return fp8_einsum(spec, x, w) if fp8 else jnp.einsum(spec, x, w)
+        return fp8_einsum(spec, x, w, w_axes) if fp8 else jnp.einsum(spec, x, w)
 
 
-def fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` as fp8 GEMMs: e4m3 operands forward, an e5m2 gradient backward.
-    x and w share the compute dtype (the model casts its weights), which is also the output's."""
+    x and w share the compute dtype (the model casts its weights), which is also the output's.
+    w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
+    so the cast runs on each device's shard and fsdp's all-gather moves 1 byte an element."""
     _operands(spec)
-    return _fp8_einsum(spec, x, w.astype(x.dtype))
+    if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
+        w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
+    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype))

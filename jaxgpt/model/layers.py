@@ -43,6 +43,12 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
     return nnx.Param(value, logical_axes=axes)
 
 
+def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool) -> jax.Array:
+    """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
+    under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element)."""
+    return linear(name, spec, x, kernel[...].astype(x.dtype), fp8, kernel.logical_axes)
+
+
 def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
     """y + bias in y's dtype; y itself where the layer has no bias (model.bias=false)."""
     return y if bias is None else y + bias[...].astype(y.dtype)
@@ -85,12 +91,11 @@ class MLP(nnx.Module):
         self.kind, self.fp8 = cfg.mlp, cfg.fp8
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        dt = x_BTD.dtype
-        h_BTF = add_bias(linear("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel[...].astype(dt), self.fp8), self.c_fc_bias)
+        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, self.fp8), self.c_fc_bias)
         gate_BTF = None
         if self.kind == "swiglu":
-            gate_BTF = add_bias(linear("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel[...].astype(dt), self.fp8),
+            gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, self.fp8),
                              self.c_gate_bias)
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF), "batch", "seq", "act_mlp")
-        return add_bias(linear("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel[...].astype(dt), self.fp8),
+        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, self.fp8),
                      self.c_proj_bias)
