@@ -575,6 +575,8 @@ def test_init_from_hf_is_refused_before_the_run_starts_where_no_class_holds_the_
         train(cfg, tmp_path / "run", jax.devices()[:1])
     assert "nor can GPT2LMHeadModel, for model.mlp=swiglu" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+    from jaxgpt import plan  # plan refuses it too, before compiling
+    assert plan.main(["model.mlp=swiglu", "checkpoint.init_from_hf=x"]) != 0
 
 
 def test_llama_export_refuses_a_nanochat_model_in_one_line(tmp_path, capsys):
