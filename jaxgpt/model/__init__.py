@@ -4,6 +4,7 @@
     blocks.py     pre-norm residual blocks, the MoE block, MoE groups
     attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn)
     positions.py  rotary position embeddings (model.position=rope)
+    documents.py  document masking (model.document_mask): documents from <|endoftext|>, masks, window stats
     layers.py     parameters with logical axes, compute dtype, LayerNorm/RMSNorm, the dense MLP
     moe.py        Mixture of Experts: routing, capacity, dispatch/combine, ep all-to-alls
     fp8.py        direct fp8 GEMMs with current scaling; the named linears every GEMM goes through
