@@ -103,6 +103,14 @@ class ModelConfig:
                     ("auto", "float32", "bfloat16"))
     attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
                         ("auto", "xla", "cudnn"))
+    document_mask: bool = _f(False, "a token attends only to earlier tokens of its own document, documents "
+                             "delimited by <|endoftext|> (which begins the next one as an input); off: causal "
+                             "across the whole window (jaxgpt/model/documents.py)")
+    position_reset: bool = _f(False, "with document_mask and position=rope: rotary positions restart at 0 at each "
+                              "document (learned positions always index the window)")
+    max_documents: int = _f(64, "cuDNN attention with document_mask: documents per window in its packed layout "
+                            "(softmax statistics take this many times the memory); later ones attend as one",
+                            range=Range(2))
     fp8: bool = _f(False, "run the blocks' linear layers as fp8 matmuls (e4m3 forward, e5m2 gradients)")
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
                         "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
@@ -521,6 +529,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")
+    if m.position_reset and not (m.document_mask and m.position == "rope"):
+        raise UserError("model.position_reset restarts rotary positions at each document: it needs "
+                        "model.document_mask=true and model.position=rope (learned positions index the window)")
     if m.position == "rope" and m.head_dim % 2:
         raise UserError(f"model.position=rope rotates pairs of features, but the head dim n_embd / n_head = "
                         f"{m.head_dim} is odd")

@@ -10,7 +10,8 @@ accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
 tokens_per_sec, mfu, and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
-the cross-entropy alone; jaxgpt/model/moe.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
+the cross-entropy alone; jaxgpt/model/moe.py), with model.document_mask docs_per_window and
+masked_pairs (jaxgpt/model/documents.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
 no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm. Other tools (and `jaxgpt.report`)
 read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
@@ -115,7 +116,9 @@ def format_record(r: dict[str, Any]) -> str:
     return (f"step {r['step']:>6} | loss {num('loss', '.4f')} | lr {num('lr', '.2e')} | grad_norm "
             f"{num('grad_norm', '.3f')} | {rate} tok/s | mfu {mfu_s}"
             + (f" | moe aux {num('moe_aux_loss', '.3f')} z {num('moe_z_loss', '.3f')} dropped "
-               f"{num('moe_dropped', '.1%')}" if "moe_aux_loss" in r else ""))
+               f"{num('moe_dropped', '.1%')}" if "moe_aux_loss" in r else "")
+            + (f" | docs/window {num('docs_per_window', '.2f')} masked {num('masked_pairs', '.1%')}"
+               if "docs_per_window" in r else ""))
 
 
 class Throughput:

@@ -3,7 +3,8 @@
 `train()` writes the report itself at the end of a run (completed, preempted or diverged); this
 command regenerates it, for example for a run that was killed. It reads three files:
 
-    metrics.jsonl  train lines (loss, tokens_per_sec, mfu) and eval lines (val_loss, val_bpb, and
+    metrics.jsonl  train lines (loss, tokens_per_sec, mfu; with model.document_mask docs_per_window and
+                   masked_pairs, summarised in a row) and eval lines (val_loss, val_bpb, and
                    task/NAME/acc, task/NAME/acc_norm with eval.tasks: a table and tasks.png, the
                    accuracies against training tokens = step x batch_size x seq_len)
     events.jsonl   one `start` per session with the hardware and layout it ran on, `resume`,
@@ -236,6 +237,11 @@ def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) ->
     bpb = [r for r in evals if r.get("val_bpb") is not None]
     if bpb:
         rows.append(("final val bits per byte", f"{bpb[-1]['val_bpb']:.4f} (step {bpb[-1]['step']})"))
+    docs = [r for r in train if r.get("docs_per_window") is not None and r.get("masked_pairs") is not None]
+    if docs:  # model.document_mask (jaxgpt/model/documents.py)
+        rows.append(("document masking", f"{np.mean([r['docs_per_window'] for r in docs]):.2f} documents per window, "
+                     f"{100 * np.mean([r['masked_pairs'] for r in docs]):.1f}% of causal attention pairs masked "
+                     f"(mean of {len(docs)} logged steps)"))
     out = [f"# Run report: {run_dir.resolve().name}", "", f"`{run_dir.resolve()}`", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
     out += ["", "## Throughput", ""] + _throughput(train, _get(cfg, "logging", "every", "unknown"))

@@ -67,6 +67,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
+from jaxgpt.model.documents import window_stats
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
@@ -74,6 +75,12 @@ from jaxgpt.parallel.mesh import named, shard
 from jaxgpt.tokenizer import token_bytes
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
+DOCUMENT_METRICS = ("docs_per_window", "masked_pairs")  # what model.document_mask adds (model/documents.py)
+
+
+def _document_metrics(batch_BT1: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """model.document_mask's window statistics of the inputs (documents.window_stats); {} without it."""
+    return window_stats(batch_BT1[:, :-1]) if cfg.document_mask else {}
 
 
 class TrainState(NamedTuple):
@@ -174,12 +181,13 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
         loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
-        return loss, {"loss": loss}
+        return loss, {"loss": loss, **_document_metrics(batch_BT1, cfg)}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
     loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
     aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0  # bias: the aux loss is only logged
     objective = loss + aux_coef * stats.aux + cfg.moe_z_coef * stats.z
-    return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load}
+    return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load,
+                       **_document_metrics(batch_BT1, cfg)}
 
 
 def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
@@ -192,7 +200,8 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     x_BTD, labels_BT = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches, block_axes,
                                          bubble_fill)
     loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, cfg.model, dtype) / stages
-    return loss, {"loss": loss}
+    # every stage holds the whole batch: its share of the psum over pp, as the loss's
+    return loss, {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, cfg.model).items()}}
 
 
 def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
@@ -208,9 +217,11 @@ def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array
     B, T1 = batch_BT1.shape
     # Micro-batch m holds rows m, m+M, ...: a reshape of the sharded batch axis, as in summed_grads.
     x_MbTD = model.embed(batch_BT1[:, :-1], dtype).reshape(B // M, M, T1 - 1, -1).swapaxes(0, 1)
+    tokens_MbT = batch_BT1[:, :-1].reshape(B // M, M, T1 - 1).swapaxes(0, 1)
 
-    def run_chunk(chunk: dict, x_bTD: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, {**params, "blocks": chunk}).run_blocks(x_bTD)[0]
+    def run_chunk(chunk: dict, x_bTD: jax.Array, m: jax.Array) -> jax.Array:
+        stage = nnx.merge(graphdef, {**params, "blocks": chunk})
+        return stage.run_blocks(x_bTD, stage.documents(tokens_MbT[m]))[0]
 
     y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill,
                           REMAT_POLICIES.get(cfg.model.remat))
@@ -281,7 +292,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         def accumulate(carry, micro_BT1):
             return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1)), None
 
-        names = ["loss", *(MOE_METRICS if m.moe_experts else ())]
+        names = ["loss", *(MOE_METRICS if m.moe_experts else ()), *(DOCUMENT_METRICS if m.document_mask else ())]
         load = {"moe_load": jnp.zeros((m.n_layer // m.moe_every, m.moe_experts))} if m.moe_experts else {}
         zeros = vary(({k: jnp.zeros((), jnp.float32) for k in names} | load,
                       jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params)))

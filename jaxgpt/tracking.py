@@ -70,7 +70,7 @@ RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss",
         "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_dropped": "moe/dropped",  # MoE only
-        "val_bpb": "val/bpb"}
+        "val_bpb": "val/bpb", "docs_per_window": "data/docs_per_window", "masked_pairs": "data/masked_pairs"}
 
 
 def kernels_in_traces() -> None:

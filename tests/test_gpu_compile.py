@@ -72,6 +72,7 @@ def compiled(h100s) -> dict[str, Compiled]:
              for mesh in ("dp=8", "fsdp=8")}
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
+    jobs["documents"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(lambda job: job[0].compile(job[1]), jobs.values())))
 
@@ -394,3 +395,31 @@ def test_modern_block_runs_grouped_query_cudnn_attention_and_fp8_swiglu(modern):
     count = _block_gemms(modern)
     for layer in ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out"):
         assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (layer, count)
+
+
+# Document masking (model.document_mask, issue 41) with rotary positions restarting per document and
+# grouped-query attention, at T = 96 (a size no other dimension of the tiny model has) and M = 4 documents.
+DOCUMENTS = ["model.document_mask=true", "model.position=rope", "model.position_reset=true", "model.n_kv_head=2",
+             "model.seq_len=96", "model.max_documents=4"]
+
+
+@needs_plugin
+def test_document_masking_stays_a_cudnn_flash_kernel(compiled):
+    """Forward and backward are cuDNN fused attention in its packed layout: q, k, v plus each
+    row's document lengths and offsets (7 operands, where the unmasked call has 3), and no array
+    of the compiled step has two T-sized dimensions: no [T, T] mask, bias or score matrix exists,
+    in any dtype. The softmax statistics are [B*M, H, T] per device: [4*4, 2, 96]."""
+    c = compiled["documents"]
+    assert c.kernel == "cudnn", c.why
+    text = c.compiled.as_text()
+    counts = fused_attention_counts(text)
+    assert counts["forward"] >= 1 and counts["backward"] >= 1, counts
+    for line in text.splitlines():
+        if "__cudnn$fmha" in line and "custom-call(" in line:
+            operands = re.search(r"custom-call\(([^)]*)\)", line).group(1)
+            n = len(re.findall(r"%[\w.\-]+", operands))
+            assert n >= 7, (n, line[:300])  # backward adds the output, its gradient and the statistics
+    T = 96
+    square = {shape for shape in re.findall(r"\w+\[([\d,]+)\]", text) if shape.split(",").count(str(T)) >= 2}
+    assert not square, square
+    assert re.search(r"f32\[16,2,96\]", text), "softmax statistics of B*M = 4*4 packed sequences"

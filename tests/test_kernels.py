@@ -14,9 +14,11 @@ from jax.sharding import PartitionSpec as P
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.model.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
+from jaxgpt.model.documents import documents
 from jaxgpt.model.fp8 import E4M3, E5M2, fp8_einsum, quantize
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.tokenizer import EOT_ID
 from jaxgpt.train import train
 
 
@@ -26,19 +28,22 @@ def _qkv(dtype, B=2, T=64, H=4, K=32):
 
 
 KERNEL_CASES = [("xla", jnp.float32, 1e-5), ("xla", jnp.bfloat16, 2e-2), ("cudnn", jnp.bfloat16, 2e-2)]
+# model.document_mask: rows of several documents (a boundary at 0 too), XLA's boolean mask and cuDNN's packed layout
+MASKED_CASES = [("xla", jnp.float32, 1e-5), ("cudnn", jnp.bfloat16, 2e-2)]
 
 
-@pytest.mark.parametrize("impl, dtype, atol", KERNEL_CASES)
-def test_kernel_matches_reference_forward_and_gradients(impl, dtype, atol):
+@pytest.mark.parametrize("impl, dtype, atol, masked", [(*c, False) for c in KERNEL_CASES]
+                         + [(*c, True) for c in MASKED_CASES])
+def test_kernel_matches_reference_forward_and_gradients(impl, dtype, atol, masked):
     """Forward and d/d(q, k, v) of each kernel against the textbook formula in fp32. The bf16
     bound is bf16's rounding (~3 significant digits) on values of order 1."""
     device = jax.devices()[0]
     if impl == "cudnn":
         device = next(iter(_gpus()), device)
-        if reason := cudnn_unavailable_reason(dtype, 32, device):
+        if reason := cudnn_unavailable_reason(dtype, 32, device, document_mask=masked):
             pytest.skip(f"cuDNN flash attention cannot run here: {reason} (JAXGPT_TEST_GPU=1 on a GPU host runs it)")
     with jax.default_device(device):
-        _check_kernel(impl, dtype, atol)
+        _check_kernel(impl, dtype, atol, masked)
 
 
 def _gpus() -> list[jax.Device]:
@@ -48,17 +53,22 @@ def _gpus() -> list[jax.Device]:
         return []
 
 
-def _check_kernel(impl, dtype, atol):
+def _check_kernel(impl, dtype, atol, masked=False):
     q, k, v = _qkv(dtype)
-    out = causal_attention(q, k, v, impl=impl)
+    docs = None
+    if masked:  # row 0: documents at 0, 20, 21 (one token long) and 50; row 1: <|endoftext|> first, then 40
+        tokens = np.zeros((2, 64), np.int32)
+        tokens[0, [20, 21, 50]] = tokens[1, [0, 40]] = EOT_ID
+        docs = documents(jnp.asarray(tokens))
+    out = causal_attention(q, k, v, impl=impl, docs=docs)
     with jax.default_matmul_precision("highest"):  # a true fp32 reference on a GPU too (no TF32)
-        want_out = reference_attention(q, k, v)
+        want_out = reference_attention(q, k, v, docs)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32), atol=atol, rtol=0)
     w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
     loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * w)  # noqa: E731
-    got = jax.grad(loss(lambda *a: causal_attention(*a, impl=impl)), argnums=(0, 1, 2))(q, k, v)
+    got = jax.grad(loss(lambda *a: causal_attention(*a, impl=impl, docs=docs)), argnums=(0, 1, 2))(q, k, v)
     with jax.default_matmul_precision("highest"):
-        want = jax.grad(loss(reference_attention), argnums=(0, 1, 2))(q, k, v)
+        want = jax.grad(loss(lambda *a: reference_attention(*a, docs)), argnums=(0, 1, 2))(q, k, v)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=5 * atol, rtol=0)
 

@@ -20,7 +20,9 @@ XLA:GPU's own: cuDNN fused attention, fp8 GEMM rewrites, the collectives XLA:GPU
   trace without one. cuDNN is a 600+ MiB wheel that cannot run here anyway, so while compiling
   for a target `compiling_for` answers that question with the target's own cuDNN version (its
   `dnn_version_info`), which is what a real H100 with that cuDNN would answer. If nvidia-cudnn-cu12
-  is installed the real library answers instead.
+  is installed the real library answers instead. Likewise its packed layout (document masking)
+  asks the running backend whether the GPU is a Hopper; the CPU backend would say no, so
+  `compiling_for` answers with the target's compute capability.
 - With no device there is no autotuning: GEMM kernel choices may differ from a real GPU's. Compile
   with DEVICELESS_OPTIONS (below; jaxgpt.plan does): the autotuner at its default level spends
   most of a small step's compile choosing tiles it cannot time. A step with fp8 GEMMs is compiled
@@ -118,14 +120,16 @@ def compiling_for(devices: Sequence, target: str) -> Iterator[None]:
     """Within: `target_device()` is devices[0] and cuDNN attention traces against the target's cuDNN."""
     from jax._src.cudnn import fused_attention_stablehlo as fa
     token = _TARGET.set(devices[0])
-    real_check = fa.check_cudnn_version
+    real_check, real_capability = fa.check_cudnn_version, fa.check_compute_capability
     try:
         real_check()
     except RuntimeError:  # no cuDNN library here: answer with the target's version (module docstring)
         version = cudnn_version(target)
         fa.check_cudnn_version = lambda: version
+    own = tuple(int(x) for x in str(devices[0].compute_capability).split("."))
+    fa.check_compute_capability = lambda capability: own >= tuple(int(x) for x in capability.split("."))
     try:
         yield
     finally:
-        fa.check_cudnn_version = real_check
+        fa.check_cudnn_version, fa.check_compute_capability = real_check, real_capability
         _TARGET.reset(token)

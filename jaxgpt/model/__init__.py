@@ -4,6 +4,7 @@
     blocks.py     pre-norm residual blocks, the MoE block, MoE groups
     attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn)
     positions.py  rotary position embeddings (model.position=rope)
+    documents.py  document masking (model.document_mask): documents from <|endoftext|>, masks, window stats
     layers.py     parameters with logical axes, compute dtype, the Norm layer, the dense MLP
     norm.py       LayerNorm/RMSNorm with a hand-written backward (bf16 in and out, fp32 statistics)
     activations.py  the dense MLP's gelu/relu2/swiglu, backward passes keeping only the GEMM outputs

@@ -13,6 +13,14 @@ once per run by `select_kernel` from `model.attention`:
 
 Asking for `cudnn` where it cannot run is a `UserError` raised before compilation.
 
+Document masking (model.document_mask, jaxgpt/model/documents.py) reaches both kernels as the
+documents' start positions: XLA's takes a boolean [B, 1, T, T] mask beside `is_causal`; cuDNN's
+takes each row's documents as its packed layout (`jax._src.cudnn.fused_attention_stablehlo`'s
+q_offsets/kv_offsets and per-document lengths, mask type PADDING_CAUSAL), still a flash kernel
+that never holds [T, T] scores. JAX's public `jax.nn.dot_product_attention` does not pass the
+offsets on, so this calls the function behind it; its packed layout needs a Hopper GPU (compute
+capability 9.0), which `cudnn_unavailable_reason` checks.
+
 Grouped-query attention needs nothing here: k and v arrive with G <= H heads, query head h reading
 kv head h // (H/G), and both kernels take them as they are (XLA's reshapes q to [B, T, G, H/G, K];
 cuDNN takes fewer kv heads natively), so the repeated K/V are never materialised.
@@ -29,10 +37,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention  # packed layout: module docstring
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
+from jaxgpt.model.documents import Documents, packed_segments, visible
 from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
 from jaxgpt.model.positions import rope
 from jaxgpt.parallel.manual import per_shard
@@ -41,7 +51,8 @@ from jaxgpt.parallel.mesh import shard
 KERNELS = ("auto", "xla", "cudnn")
 
 
-def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device | None = None) -> str | None:
+def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device | None = None,
+                             document_mask: bool = False) -> str | None:
     """Why cuDNN flash attention cannot run here, or None if it can."""
     device = device or target_device()  # a compile-only GPU while compiling for one (jaxgpt.gpu)
     if device.platform != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
@@ -49,6 +60,8 @@ def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device
     capability = float(getattr(device, "compute_capability", "0") or 0)
     if capability < 8.0:
         return f"it needs compute capability >= 8.0 (this GPU has {capability})"
+    if document_mask and capability < 9.0:
+        return f"with model.document_mask its packed layout needs compute capability >= 9.0 (this GPU has {capability})"
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         return f"it needs bf16 or fp16 compute (model.dtype gives {jnp.dtype(dtype).name})"
     if head_dim % 8 or head_dim > 128:
@@ -56,11 +69,11 @@ def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device
     return None
 
 
-def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int) -> tuple[str, str]:
+def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int, document_mask: bool = False) -> tuple[str, str]:
     """(kernel, why) for `model.attention`; raises UserError if cudnn is asked for and cannot run."""
     if requested == "xla":
         return "xla", "model.attention=xla"
-    reason = cudnn_unavailable_reason(dtype, head_dim)
+    reason = cudnn_unavailable_reason(dtype, head_dim, document_mask=document_mask)
     if requested == "cudnn":
         if reason:
             raise UserError(f"model.attention=cudnn cannot run here: {reason}; use model.attention=auto or xla")
@@ -70,24 +83,46 @@ def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int) -> tuple[str,
     return "cudnn", "auto: NVIDIA GPU, bf16/fp16 and head dim fit cuDNN flash attention"
 
 
-def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, impl: str = "xla") -> jax.Array:
-    """softmax(q k^T / sqrt(K) + causal mask) v, returning [B, T, H, K] in the inputs' dtype."""
+def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *, impl: str = "xla",
+                     docs: Documents | None = None, max_documents: int = 64) -> jax.Array:
+    """softmax(q k^T / sqrt(K) + causal mask) v, returning [B, T, H, K] in the inputs' dtype; with
+    `docs` each query sees only its own document (module docstring)."""
     if impl not in ("xla", "cudnn"):
         raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
+    heads = ("batch", "seq", "act_heads", None)
+    if impl == "cudnn" and docs is not None:
+        attend = partial(_cudnn_documents, max_documents=max_documents)
+        return per_shard(attend, heads, q_BTHK, k_BTHK, v_BTHK, docs.start_BT,
+                         arg_axes=(heads, heads, heads, ("batch", "seq")))
     attend = partial(jax.nn.dot_product_attention, is_causal=True, implementation=impl)
     if impl == "cudnn":  # each device attends over its own rows and heads (jaxgpt/parallel/manual.py: why)
-        return per_shard(attend, ("batch", "seq", "act_heads", None), q_BTHK, k_BTHK, v_BTHK)
+        return per_shard(attend, heads, q_BTHK, k_BTHK, v_BTHK)
+    if docs is not None:
+        mask_B1TT = visible(docs, jnp.arange(q_BTHK.shape[1], dtype=jnp.int32))[:, None]
+        return attend(q_BTHK, k_BTHK, v_BTHK, mask=mask_B1TT)
     return attend(q_BTHK, k_BTHK, v_BTHK)
 
 
-def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array) -> jax.Array:
-    """The textbook formula in fp32, for tests; G < H kv heads are repeated to H."""
+def _cudnn_documents(q_BTHK, k_BTGK, v_BTGK, start_BT, *, max_documents: int) -> jax.Array:
+    """cuDNN flash attention over each row's documents as packed sequences, causal within each."""
+    lengths_BM, offsets_BM1 = packed_segments(start_BT, max_documents)
+    return cudnn_attention.dot_product_attention(
+        q_BTHK, k_BTGK, v_BTGK, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
+        kv_offsets=offsets_BM1, scale=1 / math.sqrt(q_BTHK.shape[-1]), mask_type=cudnn_attention.MaskType.PADDING_CAUSAL)
+
+
+def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
+                        docs: Documents | None = None) -> jax.Array:
+    """The textbook formula in fp32, for tests; G < H kv heads are repeated to H; `docs`: masked
+    to each query's document."""
     repeat = q_BTHK.shape[2] // k_BTGK.shape[2]
     q, k, v = (jnp.repeat(x, h, axis=2).astype(jnp.float32)
                for x, h in ((q_BTHK, 1), (k_BTGK, repeat), (v_BTGK, repeat)))
     T, K = q.shape[1], q.shape[-1]
     scores_BHTT = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(K)
     scores_BHTT = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTT, -jnp.inf)
+    if docs is not None:
+        scores_BHTT = jnp.where(visible(docs, jnp.arange(T))[:, None], scores_BHTT, -jnp.inf)
     return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTT, axis=-1), v).astype(q_BTHK.dtype)
 
 
@@ -98,15 +133,18 @@ class KV(NamedTuple):
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, [L, B, S, G, K], and the next position to write."""
+    """Keys and values of every layer, [L, B, S, G, K], the next position to write, and where each
+    row's latest document starts (model.document_mask: its queries see no slot before it)."""
     k: jax.Array
     v: jax.Array
     pos: jax.Array  # int32 scalar
+    doc_start: jax.Array  # int32 [B]
 
     @classmethod
     def empty(cls, cfg: ModelConfig, batch: int, dtype: jnp.dtype) -> KVCache:
         shape = (cfg.n_layer, batch, cfg.seq_len, cfg.kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32),
+                   jnp.zeros((batch,), jnp.int32))
 
 
 class Attention(nnx.Module):
@@ -129,8 +167,9 @@ class Attention(nnx.Module):
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
         self.c_proj_kernel = param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if bias else None
-        self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim)
+        self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim, cfg.document_mask)
         self.fp8 = cfg.fp8
+        self.position_reset, self.max_documents = cfg.position_reset, cfg.max_documents
 
     def _qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, K], k and v [B, T, G, K]; one GEMM (multi-head) or two (grouped), all named qkv."""
@@ -145,25 +184,31 @@ class Attention(nnx.Module):
         kv_BT2GK = shard(kv_BT2GK, "batch", "seq", None, "act_heads", None)
         return shard(q_BTHK, "batch", "seq", "act_heads", None), kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
 
-    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
+                 docs: Documents | None = None):
         """Training: x -> y. Decoding (kv given): the T new positions start at `pos`; they attend
-        to the cache [B, S, G, K] updated with their own keys/values; returns (y, new kv)."""
+        to the cache [B, S, G, K] updated with their own keys/values; returns (y, new kv).
+        `docs` (model.document_mask): each position sees only its own document."""
         dt = x_BTD.dtype
         q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD)
         if self.qk_norm:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope_theta is not None:
-            start = 0 if kv is None else pos
+            start = docs.position_BT if self.position_reset else 0 if kv is None else pos
             q_BTHK, k_BTGK = rope(q_BTHK, start, self.rope_theta), rope(k_BTGK, start, self.rope_theta)
         if kv is None:
-            out_BTHK = causal_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl)
+            out_BTHK = causal_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl, docs=docs,
+                                        max_documents=self.max_documents)
         else:
             k_BSGK = jax.lax.dynamic_update_slice(kv.k, k_BTGK.astype(kv.k.dtype), (0, pos, 0, 0))
             v_BSGK = jax.lax.dynamic_update_slice(kv.v, v_BTGK.astype(kv.v.dtype), (0, pos, 0, 0))
             T, S = x_BTD.shape[1], k_BSGK.shape[1]
-            visible_TS = jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None]  # causal, and unwritten slots hidden
+            if docs is None:
+                visible_B1TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]  # causal, unwritten slots hidden
+            else:
+                visible_B1TS = visible(docs, jnp.arange(S, dtype=jnp.int32), pos)[:, None]
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK.astype(dt), v_BSGK.astype(dt),
-                                                    mask=visible_TS[None, None], implementation="xla")
+                                                    mask=visible_B1TS, implementation="xla")
             kv = KV(k_BSGK, v_BSGK)
         y_BTD = dense("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, self.fp8)
         y_BTD = add_bias(y_BTD, self.c_proj_bias)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, Attention
+from jaxgpt.model.documents import Documents
 from jaxgpt.model.layers import MLP, STD, Norm, param
 from jaxgpt.model.moe import Experts, MoEStats, moe_mlp
 from jaxgpt.parallel.mesh import shard
@@ -62,13 +63,14 @@ class Block(nnx.Module):
         self.ln_2 = Norm(cfg, cfg.n_embd, rngs)
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
 
-    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None):
+    def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
+                 docs: Documents | None = None):
         """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
-        or (x, kv, stats)."""
+        or (x, kv, stats). `docs`: model.document_mask's documents (jaxgpt/model/documents.py)."""
         if kv is None:
-            x_BTD = x_BTD + self.attn(self.ln_1(x_BTD))
+            x_BTD = x_BTD + self.attn(self.ln_1(x_BTD), docs=docs)
         else:
-            y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos)
+            y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos, docs)
             x_BTD = x_BTD + y_BTD
         stats = None
         if isinstance(self.mlp, MoE):
@@ -95,7 +97,7 @@ class MoEGroup(nnx.Module):
         self.moe = Block(cfg, rngs, moe=True)
 
     def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None,
-                 unroll: int | bool = 1):
+                 unroll: int | bool = 1, docs: Documents | None = None):
         """Training: (x, MoEStats); `unroll`: the dense blocks' scan's (model.scan_layers). Decoding
         (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
         if kv is None:
@@ -110,10 +112,10 @@ class MoEGroup(nnx.Module):
         if self.dense is not None:
             @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
             def run_dense_cached(x_BTD: jax.Array, block: Block, kv: KV):
-                return block(x_BTD, kv, pos)
+                return block(x_BTD, kv, pos, docs)
 
             x_BTD, dense_kv = run_dense_cached(x_BTD, self.dense, KV(kv.k[:-1], kv.v[:-1]))
             parts.append(dense_kv)
-        x_BTD, moe_kv, stats = self.moe(x_BTD, KV(kv.k[-1], kv.v[-1]), pos)
+        x_BTD, moe_kv, stats = self.moe(x_BTD, KV(kv.k[-1], kv.v[-1]), pos, docs)
         parts.append(KV(moe_kv.k[None], moe_kv.v[None]))
         return x_BTD, KV(*(jnp.concatenate(p, axis=0) for p in zip(*parts))), stats

@@ -69,6 +69,7 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, KVCache
 from jaxgpt.model.blocks import Block, MoEGroup
+from jaxgpt.model.documents import Documents, documents
 from jaxgpt.model.layers import STD, Norm, param
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.model.remat import REMAT_POLICIES
@@ -110,18 +111,20 @@ class GPT(nnx.Module):
         models): (output, MoEStats averaged over the MoE blocks)."""
         T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT, dtype, 0 if cache is None else cache.pos)
+        docs = self.documents(tokens_BT, cache)
         if cache is not None:
             if self.cfg.moe_experts:
-                x_BTD, kv = self._run_groups_cached(x_BTD, KV(cache.k, cache.v), cache.pos)
+                x_BTD, kv = self._run_groups_cached(x_BTD, KV(cache.k, cache.v), cache.pos, docs)
             else:
                 @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
                 def run_cached(x_BTD: jax.Array, block: Block, kv: KV):
-                    return block(x_BTD, kv, cache.pos)
+                    return block(x_BTD, kv, cache.pos, docs)
 
                 x_BTD, kv = run_cached(x_BTD, self.blocks, KV(cache.k, cache.v))
-            return self._logits(x_BTD[:, -1:], dtype), KVCache(kv.k, kv.v, cache.pos + T)
+            doc_start = cache.doc_start if docs is None else docs.start_BT[:, -1]
+            return self._logits(x_BTD[:, -1:], dtype), KVCache(kv.k, kv.v, cache.pos + T, doc_start)
 
-        x_BTD, stats = self.run_blocks(x_BTD)
+        x_BTD, stats = self.run_blocks(x_BTD, docs)
         out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
         if with_moe_stats:
             zero = jnp.zeros((), jnp.float32)
@@ -136,12 +139,19 @@ class GPT(nnx.Module):
         x_BTD = x_BTD.astype(dtype)
         return shard(x_BTD, "batch", "seq", "act_embed")
 
-    def run_blocks(self, x_BTD: jax.Array) -> tuple[jax.Array, MoEStats | None]:
+    def documents(self, tokens_BT: jax.Array, cache: KVCache | None = None) -> Documents | None:
+        """Where each position's document starts (model.document_mask; jaxgpt/model/documents.py),
+        continuing the cache's latest document when decoding; None without document masking."""
+        if not self.cfg.document_mask:
+            return None
+        return documents(tokens_BT) if cache is None else documents(tokens_BT, cache.pos, cache.doc_start)
+
+    def run_blocks(self, x_BTD: jax.Array, docs: Documents | None = None) -> tuple[jax.Array, MoEStats | None]:
         """The stacked blocks (training, no cache), however many this module holds: all of them, or
         one pipeline stage's (jaxgpt/parallel/pipeline.py). Returns (x, MoEStats averaged over the MoE
-        blocks, or None for a dense model)."""
+        blocks, or None for a dense model). `docs`: model.document_mask's documents of x's rows."""
         def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
-            return block(x_BTD)
+            return block(x_BTD, docs=docs)
 
         if self.cfg.remat == "auto":
             raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
@@ -163,13 +173,14 @@ class GPT(nnx.Module):
 
         return run_stack(x_BTD, self.blocks), None
 
-    def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array) -> tuple[jax.Array, KV]:
+    def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array,
+                           docs: Documents | None) -> tuple[jax.Array, KV]:
         """The cached pass of an MoE model: the [L, ...] cache viewed as [G, N, ...] groups of blocks."""
         G, N = self.cfg.n_layer // self.cfg.moe_every, self.cfg.moe_every
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=(nnx.Carry, 0))
         def run_cached(x_BTD: jax.Array, group: MoEGroup, kv: KV):
-            x_BTD, kv, _ = group(x_BTD, None, kv, pos)
+            x_BTD, kv, _ = group(x_BTD, None, kv, pos, docs=docs)
             return x_BTD, kv
 
         x_BTD, kv = run_cached(x_BTD, self.groups, KV(*(a.reshape(G, N, *a.shape[1:]) for a in kv)))

@@ -51,9 +51,10 @@ def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh, man
 
 
 def per_shard(fn: Callable[..., jax.Array], logical_axes: Sequence[str | None],
-              *args: jax.Array) -> jax.Array:
+              *args: jax.Array, arg_axes: Sequence[Sequence[str | None]] | None = None) -> jax.Array:
     """fn(*args) computed block by block: every arg and the result have `logical_axes` (one name per
-    dimension) and fn must treat the blocks independently along the named dimensions."""
+    dimension), or each arg its own entry of `arg_axes` (the result still `logical_axes`), and fn
+    must treat the blocks independently along the named dimensions."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return fn(*args)
@@ -66,12 +67,18 @@ def per_shard(fn: Callable[..., jax.Array], logical_axes: Sequence[str | None],
     # A size-1 axis no logical axis names (pp without pipelining) is put on the first dimension, which
     # it splits 1 way: left replicated, its cotangents lose their manual-axis types inside the dp
     # shard_map (XLA:GPU compile of dp=8), and left automatic, the cuDNN partitioner fails.
-    if unnamed := [a for a in mesh.axis_names if a in free and a not in named_axes and mesh.shape[a] == 1]:
+    unnamed = [a for a in mesh.axis_names if a in free and a not in named_axes and mesh.shape[a] == 1]
+
+    def with_unnamed(spec: P) -> P:
         first = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
-        spec = P((*first, *unnamed), *spec[1:])
+        return P((*first, *unnamed), *spec[1:]) if unnamed else spec
+
+    spec = with_unnamed(spec)
+    in_specs = (spec,) * len(args) if arg_axes is None else tuple(
+        with_unnamed(spec_for(a.shape, axes, mesh, manual)) for a, axes in zip(args, arg_axes, strict=True))
     # check_vma=False: with the check on, cuDNN attention inside the train step's dp shard_map fails
     # to lower (JAX 0.10.2). Differentiating through this shard_map inside a partially manual one
     # then works for a custom_vjp kernel such as cuDNN's (tests/test_gpu_compile.py), not for a
     # plain function, whose cotangents lose their manual-axis types (tests/test_manual.py).
-    return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(args), out_specs=spec,
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=spec,
                          axis_names=set(free), check_vma=False)(*args)

@@ -104,7 +104,9 @@ def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_M
         stages: int, repeats: int, bubble_fill: float = 0.0, remat_policy: Callable | None = None) -> jax.Array:
     """The S-stage schedule of the module docstring, inside a shard_map manual over 'pp'.
 
-    run_chunk(chunk, x [b, T, D]) -> x applies C layers (`chunk`: their stacked parameters);
+    run_chunk(chunk, x [b, T, D], m) -> x applies C layers (`chunk`: their stacked parameters) to
+    micro-batch m (an int32 index, for what the caller keeps per micro-batch: document masking's
+    documents);
     stage_blocks: this stage's R chunks, leaves [R*C, ...] (stage-major order); x_MbTD: the
     embedded micro-batches (read on stage 0). Returns [M, b, T, D], the blocks' outputs, valid on
     stage 0 only. `bubble_fill` is what the stages' input slots hold before anything arrives
@@ -124,20 +126,20 @@ def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_M
     policy = not_chunk if remat_policy is None else lambda *a, **k: not_chunk(*a, **k) and remat_policy(*a, **k)
 
     @functools.partial(jax.checkpoint, policy=policy)
-    def run_pass(chunks, r, x_bTD):
+    def run_pass(chunks, r, x_bTD, m):
         """Chunk r of this stage on x. Its weights, sliced out of the loop-invariant stack, are
         sliced again in the backward pass rather than kept: saved, every iteration would keep a
         copy (gpt2-1.3b, pp=4, R=2 on H100: 16 GiB more). Everything else is kept as the model's
         remat policy says (an outer checkpoint decides for the blocks' inner one)."""
         chunk = jax.tree.map(lambda p: checkpoint_name(p[r], "chunk"), chunks)
-        return run_chunk(chunk, x_bTD)
+        return run_chunk(chunk, x_bTD, m)
 
     def iteration(carry, i):
         buffer_MbTD, received_bTD = carry
         valid, r, m = pair(i - s)
         x_bTD = jnp.where(s == 0, buffer_MbTD[m], received_bTD)
         x_bTD = jnp.where(valid, x_bTD, jnp.zeros_like(x_bTD))  # the input, not the output: see above
-        y_bTD = run_pass(chunks, r, x_bTD) if R > 1 else run_chunk(stage_blocks, x_bTD)
+        y_bTD = run_pass(chunks, r, x_bTD, m) if R > 1 else run_chunk(stage_blocks, x_bTD, m)
         received_bTD = jax.lax.ppermute(y_bTD, "pp", ring)
         # Stage 0 now holds stage S-1's output of slot i - (S-1): the next pass's input, or a final output.
         back, _, m_back = pair(i - (S - 1))
