@@ -147,6 +147,9 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     """Trains `cfg` on `devices` (default: all), logging to run_dir/metrics.jsonl; returns the final state."""
     devices = list(devices or distributed.ordered_devices())
     started = time.time()  # the start event's time: a session's wall time includes start-up
+    if distributed.cpu_without_compilation_cache(devices):
+        _say("note: JAX's persistent compilation cache is off for this run: an XLA:CPU step read back from it "
+             "can deadlock its collectives in jax 0.12 (jaxgpt/parallel/distributed.py)")
     sizes = validate(cfg, len(devices))
     if cfg.checkpoint.init_from_hf:  # GPT-2 or Llama must hold the model: one line naming the keys neither does
         hf.architecture(cfg.model)

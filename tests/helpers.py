@@ -53,9 +53,10 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
-def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs `python -m module args` in a subprocess with the test's 8 fake devices."""
-    env = dict(os.environ)
+def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `python -m module args` in a subprocess with the test's 8 fake devices (and `env` added)."""
+    env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 

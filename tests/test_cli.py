@@ -185,9 +185,14 @@ def test_help_lists_every_key():
 
 
 def test_end_to_end_run_writes_metrics(tmp_path):
-    proc = run_cli("--run-dir", str(tmp_path), "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "train.steps=4",
-                   "train.eval_every=2", "train.eval_batches=2")
+    # a user's JAX_COMPILATION_CACHE_DIR is left unused on 8 CPU devices (its steps deadlock: jaxgpt/parallel/distributed.py)
+    xla_cache = tmp_path / "xla-cache"
+    proc = run_cli("--run-dir", str(tmp_path / "run"), "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "train.steps=4",
+                   "train.eval_every=2", "train.eval_batches=2", env={"JAX_COMPILATION_CACHE_DIR": str(xla_cache)})
     assert proc.returncode == 0, proc.stderr
+    assert "persistent compilation cache is off" in proc.stdout
+    assert not (xla_cache.exists() and any(xla_cache.iterdir()))
+    tmp_path = tmp_path / "run"
     records = read_metrics(tmp_path)
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "val_loss" in r]

@@ -20,6 +20,15 @@ A single process with none of these never touches `jax.distributed`.
 
 Processes on CPU (the local test mode) exchange collectives through gloo over TCP.
 
+No persistent compilation cache on CPU with collectives (`cpu_without_compilation_cache`): in jax
+0.12 an XLA:CPU executable read back from JAX_COMPILATION_CACHE_DIR does not keep the order of its
+collectives. Devices of one process then wait in different collectives until XLA's 40-second
+rendezvous timeout aborts the process ("Termination timeout for `all gather ...`"), and processes
+of a group where one read the step from the cache (only process 0 writes it) and another compiled
+it abort in gloo ("Received data size doesn't match expected size") or hang. Measured at this
+module's commit on a 2-core AMD EPYC: a tiny dp=2,fsdp=4 run from a warm cache aborted 3 times in
+4 on one process and failed 2 times in 2 on two; with the cache off, none did.
+
 Failure: every process sends heartbeats to the coordinator; if one stops (it crashed or its host
 died), the coordination service declares it dead after JAXGPT_HEARTBEAT_TIMEOUT seconds (default
 60) and the remaining processes are terminated with an error instead of hanging in a collective.
@@ -118,6 +127,15 @@ def initialize() -> None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=timeout, initialization_timeout=init_timeout)
     joined = True
+
+
+def cpu_without_compilation_cache(devices: list[jax.Device]) -> bool:
+    """Turns JAX's persistent compilation cache off for a CPU run on more than one device (module
+    docstring); True if it was on. Before the first compile: JAX decides once per process."""
+    if devices[0].platform != "cpu" or len(devices) < 2 or not jax.config.jax_compilation_cache_dir:
+        return False
+    jax.config.update("jax_enable_compilation_cache", False)
+    return True
 
 
 def restart_info() -> dict | None:
