@@ -46,7 +46,7 @@ from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import POSITIVE, Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.gpu import search
-from jaxgpt.hf.llama import architecture
+from jaxgpt.hf.llama import check_init_from_hf
 
 GIB, MIB = 2**30, 2**20
 # Bandwidth in one direction, bytes/s: what one device's sends can use.
@@ -482,8 +482,7 @@ def _main(argv: Sequence[str] | None) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     args = parser.parse_intermixed_args(argv)
     cfg = load_config(args.config, args.overrides, args.mesh)
-    if cfg.checkpoint.init_from_hf:  # refused as train refuses it: a model neither Hugging Face class holds
-        architecture(cfg.model)
+    check_init_from_hf(cfg)  # refused as train refuses it
     if args.device_memory_gib is not None and args.device_memory_gib not in POSITIVE:
         raise UserError(f"--device-memory-gib must be {POSITIVE}, got {args.device_memory_gib}")
     if args.json:  # checked before compiling, not after

@@ -151,8 +151,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
         _say("note: JAX's persistent compilation cache is off for this run: an XLA:CPU step read back from it "
              "can deadlock its collectives in jax 0.12 (jaxgpt/parallel/distributed.py)")
     sizes = validate(cfg, len(devices))
-    if cfg.checkpoint.init_from_hf:  # GPT-2 or Llama must hold the model: one line naming the keys neither does
-        hf.architecture(cfg.model)
+    hf.check_init_from_hf(cfg)
     check_run_dir(run_dir)
     require_wandb(cfg.logging)
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)

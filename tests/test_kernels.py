@@ -267,12 +267,12 @@ def test_remat_lowers_temp_memory_without_changing_the_loss():
 
 
 def test_gelu_backward_recomputes_the_autodiff_gradient():
-    """model/moe.py's gelu_tanh keeps only the pre-activation and recomputes tanh in its backward
+    """model/activations.py's gelu_tanh keeps only the pre-activation and recomputes tanh in its backward
     pass (custom VJP): its value is jax.nn.gelu(approximate=True)'s bit for bit, and its fp32
     gradient is as close to the exact derivative (float64) as autodiff's, over |h| up to 12 (fp32's
     own rounding near the saturated tails, ~3.5e-6, bounds both); in bf16 (computed in fp32 and
     rounded once) it is within bf16's unit roundoff of the fp32 gradient."""
-    from jaxgpt.model.moe import gelu_tanh
+    from jaxgpt.model.activations import gelu_tanh
     h = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(0), (4096,)) * 3])
     w = jax.random.normal(jax.random.key(1), h.shape)
     np.testing.assert_array_equal(np.asarray(gelu_tanh(h)), np.asarray(jax.nn.gelu(h, approximate=True)))

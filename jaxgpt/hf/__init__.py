@@ -4,7 +4,7 @@ Two transformers classes hold jaxgpt models: `GPT2LMHeadModel` a GPT-2-shaped on
 architecture key at its default), `LlamaForCausalLM` a Llama-shaped one (RMSNorm with a scale,
 RoPE, SwiGLU; any grouped-query heads, MLP width, rope_theta, tied or untied head, biases or not).
 `llama.architecture` picks the class from the model config on export and refuses in one line
-what neither holds (train calls it before compiling a run with checkpoint.init_from_hf; config.py
+what neither holds (train and plan call it, through `check_init_from_hf`, before compiling; config.py
 does not reach up into hf/); on the way in, config.json's model_type (or its `architectures`) picks it.
 
     cli.py        the command line
@@ -18,7 +18,7 @@ does not reach up into hf/); on the way in, config.json's model_type (or its `ar
 from jaxgpt.hf.cli import main
 from jaxgpt.hf.convert import (CONFIG, EXPORT_FILES, GENERATION_CONFIG, WEIGHTS, check_dir, export, generation_config,
                                import_dir, load_dir, read_dir, restore_params)
-from jaxgpt.hf.llama import architecture
+from jaxgpt.hf.llama import architecture, check_init_from_hf
 
-__all__ = ["CONFIG", "EXPORT_FILES", "GENERATION_CONFIG", "WEIGHTS", "architecture", "check_dir", "export",
+__all__ = ["CONFIG", "EXPORT_FILES", "GENERATION_CONFIG", "WEIGHTS", "architecture", "check_dir", "check_init_from_hf", "export",
            "generation_config", "import_dir", "load_dir", "main", "read_dir", "restore_params"]

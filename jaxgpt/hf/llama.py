@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from jaxgpt import files
-from jaxgpt.config import ModelConfig
+from jaxgpt.config import Config, ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.hf.weights import Tensors
 from jaxgpt.tokenizer import EOT_ID  # GPT-2's <|endoftext|>: bos and eos, as jaxgpt has no other tokenizer
@@ -68,6 +68,13 @@ _LLAMA = {"norm": ("rmsnorm", "Llama's norms are RMSNorm"),
           "mlp": ("swiglu", "Llama's MLP is SwiGLU"),
           "qk_norm": (False, "Llama has no QK-norm"),
           "logit_softcap": (0.0, "Llama does not cap its logits")}
+
+
+def check_init_from_hf(cfg: Config) -> None:
+    """Before compiling (train, plan): a run with checkpoint.init_from_hf must be a model a Hugging
+    Face class holds; one UserError line naming the keys neither does (`architecture`)."""
+    if cfg.checkpoint.init_from_hf:
+        architecture(cfg.model)
 
 
 def architecture(m: ModelConfig) -> str:

@@ -63,6 +63,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.model.activations import activate
 from jaxgpt.model.dropless import dropless
 from jaxgpt.model.fp8 import linear
 from jaxgpt.parallel.mesh import manual_size, shard
@@ -135,39 +136,6 @@ def route(logits_GSE: jax.Array, top_k: int, slots: int, bias_E: jax.Array | Non
     combine_GSEC = jnp.einsum("gkse,gksc,gsk->gsec", chosen_f, slot_GKSC, weight_GSK)
     dropped = 1.0 - jnp.mean(kept_GKS.astype(jnp.float32))
     return dispatch_GSEC, combine_GSEC, _stats(logits_GSE, probs_GSE, chosen_GKSE, dropped)
-
-
-def activate(kind: str, h: jax.Array, gate: jax.Array | None = None) -> jax.Array:
-    """The MLP's nonlinearity (model.mlp) on x W_in (and x W_gate for swiglu), dense or expert."""
-    if kind == "swiglu":
-        return jax.nn.silu(gate) * h
-    if kind == "relu2":
-        return jnp.square(jax.nn.relu(h))
-    return gelu_tanh(h)
-
-
-@jax.custom_vjp
-def gelu_tanh(h: jax.Array) -> jax.Array:
-    """GPT-2's tanh-approximate GELU, 0.5 h (1 + tanh(c (h + 0.044715 h^3))), c = sqrt(2 / pi), with
-    a backward pass that keeps only h and recomputes tanh where the derivative is formed. Autodiff
-    kept tanh(...) as its own [B, T, F] tensor, written by one kernel and read by the next (6.4 GB
-    a layer for gpt2-124m's 512-sequence micro-batch; jaxgpt.plan --target h100)."""
-    return jax.nn.gelu(h, approximate=True)
-
-
-def _gelu_tanh_fwd(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return gelu_tanh(h), h
-
-
-def _gelu_tanh_bwd(h: jax.Array, g: jax.Array) -> tuple[jax.Array]:
-    c, k = math.sqrt(2 / math.pi), 0.044715
-    x = h.astype(jnp.float32)
-    t = jnp.tanh(c * (x + k * x * x * x))
-    dgelu = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * k * x * x)
-    return ((g.astype(jnp.float32) * dgelu).astype(g.dtype),)
-
-
-gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
 
 
 class Experts(NamedTuple):
