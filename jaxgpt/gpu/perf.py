@@ -40,7 +40,11 @@ class Perf(NamedTuple):
     # Between nodes (collectives whose replica groups span nodes; jaxgpt/gpu/cost.py). The defaults
     # describe a DGX/HGX H100 or H200 node: 8 GPUs, one 400 Gb/s InfiniBand NDR or RoCE NIC per GPU
     # (50 GB/s one direction), and per ring step the latency of one hop: ~1 us over NVSwitch, ~5 us
-    # through a NIC and a switch. Assumed from the data sheets, not yet checked against nccl-tests.
+    # through a NIC and a switch. From the data sheets; against the large-message busbw NCCL's
+    # maintainers publish for H100 nodes (scripts/collective_check.py, docs/benchmarks.md
+    # "Collectives: ...") the time is within -18%..+7% inside a node and -8%..-2% over one NIC per
+    # GPU, but a group holding several GPUs of each node is charged one NIC where NCCL uses one per
+    # GPU (4x too slow against a 256-GPU all-gather). The latencies are unchecked.
     gpus_per_node: int = 8
     network_bytes_per_s: float = 50e9
     link_latency_seconds: float = 0.0
