@@ -35,12 +35,12 @@ from jaxgpt.gpu import cost, perf
 GPUS_PER_NODE = 8
 
 SOURCES = {
-    "nccl-tests#212": ("H100 all reduce performance is poor (NVIDIA/nccl-tests issue 212, S. Jeaugey, NVIDIA, "
+    "nccl-tests#212": ("H100 all reduce performance is poor (NVIDIA/nccl-tests issue 212, sjeaugey, NVIDIA, "
                        "2024-05-06)", "https://github.com/NVIDIA/nccl-tests/issues/212"),
     "nccl-tests#290": ("Single-node and multi-node performance of H100 nodes (NVIDIA/nccl-tests issue 290, "
-                       "D. Addison, NVIDIA, 2025-03-03)", "https://github.com/NVIDIA/nccl-tests/issues/290"),
-    "nccl-tests#267": ("how overall throughout calculate about all2all (NVIDIA/nccl-tests issue 267, S. Jeaugey "
-                       "and D. Addison, NVIDIA, 2024-11-19 / 2025-01-23)", "https://github.com/NVIDIA/nccl-tests/issues/267"),
+                       "AddyLaddy, NVIDIA, 2025-03-03)", "https://github.com/NVIDIA/nccl-tests/issues/290"),
+    "nccl-tests#267": ("how overall throughout calculate about all2all (NVIDIA/nccl-tests issue 267, sjeaugey "
+                       "and AddyLaddy, NVIDIA, 2024-11-19 / 2025-01-23)", "https://github.com/NVIDIA/nccl-tests/issues/267"),
     "nccl#1218": ("Why all_gather_perf only achieves 200GBps bandwidth for 2G message size for 32 (256 GPUS) H100 "
                   "nodes (NVIDIA/nccl issue 1218, a user's report, 2024-03-12)", "https://github.com/NVIDIA/nccl/issues/1218"),
 }
