@@ -26,6 +26,7 @@ import yaml
 
 from jaxgpt import files
 from jaxgpt.errors import UserError
+from jaxgpt.hlo import BLOCK_LINEARS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_CONFIG = "shakespeare"
@@ -68,10 +69,29 @@ MESH_AXIS = Range(1, extra=(-1,))
 SEED = Range(0, 2**32 - 1)  # what Grain's shuffle accepts
 
 
-def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, range: Range | None = None) -> Any:
+def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, range: Range | None = None,
+       words: Any = None) -> Any:
+    """words: for a key that also takes a string besides its type's values (model.fp8: true, false,
+    auto or a list of layers), a function (key, string) -> the value, raising UserError."""
     if range is None and type(default) in (int, float):
         range = Range()  # finite, at least; test_config asks every numeric key for a real range
-    return field(default=default, metadata={"doc": doc, "choices": choices, "range": range})
+    return field(default=default, metadata={"doc": doc, "choices": choices, "range": range, "words": words})
+
+
+def _fp8_words(key: str, text: str) -> str:
+    """model.fp8's string forms: 'auto', or block linear kinds separated by commas (written back in
+    BLOCK_LINEARS order, so equal lists read equal)."""
+    if text == "auto":
+        return text
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    for k in kinds:
+        if k not in BLOCK_LINEARS:
+            raise UserError(f"config key '{key}' is true, false, auto or a comma-separated list of "
+                            f"{', '.join(BLOCK_LINEARS)}; got {_short(text)}{_nearest(k, [*BLOCK_LINEARS, 'auto'])}")
+    if not kinds:
+        raise UserError(f"config key '{key}' is true, false, auto or a comma-separated list of "
+                        f"{', '.join(BLOCK_LINEARS)}; got {_short(text)}")
+    return ",".join(k for k in BLOCK_LINEARS if k in kinds)
 
 
 @dataclass(frozen=True)
@@ -111,7 +131,11 @@ class ModelConfig:
     max_documents: int = _f(64, "cuDNN attention with document_mask: documents per window in its packed layout "
                             "(softmax statistics take this many times the memory); later ones attend as one",
                             range=Range(2))
-    fp8: bool = _f(False, "run the blocks' linear layers as fp8 matmuls (e4m3 forward, e5m2 gradients)")
+    fp8: bool | str = _f(False, "fp8 matmuls (e4m3 forward, e5m2 gradients) for the blocks' linear layers: true "
+                         "(all), false (none), auto (those the step-time model predicts faster on the target "
+                         "H100/H200, jaxgpt/gpu/fp8_choice.py; none on CPU) or a list such as qkv,mlp_in,mlp_out "
+                         "(of qkv, attn_out, mlp_in, mlp_gate, mlp_out, expert_in, expert_gate, expert_out)",
+                         words=_fp8_words)
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
                         "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
@@ -167,6 +191,16 @@ class ModelConfig:
                 "tie_embeddings": True, "bias": True, "logit_softcap": 0.0}
         return [f"model.{k}={getattr(self, k)}" for k, v in gpt2.items()
                 if getattr(self, k) not in (v if isinstance(v, tuple) else (v,))]
+
+    def fp8_linears(self) -> frozenset[str]:
+        """The block linear kinds (jaxgpt.hlo.BLOCK_LINEARS) that run in fp8: all for true, none for false
+        and for an unresolved auto (what auto is without a GPU to cost it on; jaxgpt/gpu/fp8_choice.py
+        resolves it for one), else the listed ones."""
+        if self.fp8 is True:
+            return frozenset(BLOCK_LINEARS)
+        if not self.fp8 or self.fp8 == "auto":
+            return frozenset()
+        return frozenset(self.fp8.split(","))
 
     @property
     def kv_heads(self) -> int:
@@ -358,6 +392,8 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
         value = float(value)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
+    if (words := f.metadata.get("words")) and isinstance(value, str):
+        return words(key, value.strip())
     if type(value) is not want:
         raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {_short(raw)}")
     choices = f.metadata.get("choices")
@@ -520,7 +556,7 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError(f"the ep axis ({sizes['ep']}) does not divide model.moe_experts={m.moe_experts}")
         if m.n_layer % m.moe_every:
             raise UserError(f"model.moe_every={m.moe_every} does not divide model.n_layer={m.n_layer}")
-        if m.moe_dispatch == "dropless" and m.fp8:
+        if m.moe_dispatch == "dropless" and m.fp8_linears() & {"expert_in", "expert_gate", "expert_out"}:
             raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
                             "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")
         if cfg.checkpoint.init_from_hf:

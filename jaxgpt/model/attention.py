@@ -168,18 +168,18 @@ class Attention(nnx.Module):
         self.c_proj_kernel = param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if bias else None
         self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim, cfg.document_mask)
-        self.fp8 = cfg.fp8
+        self.fp8 = cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
         self.position_reset, self.max_documents = cfg.position_reset, cfg.max_documents
 
     def _qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q [B, T, H, K], k and v [B, T, G, K]; one GEMM (multi-head) or two (grouped), all named qkv."""
         if not self.grouped:
-            qkv_BT3HK = add_bias(dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, self.fp8),
+            qkv_BT3HK = add_bias(dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, "qkv" in self.fp8),
                               self.c_attn_bias)
             qkv_BT3HK = shard(qkv_BT3HK, "batch", "seq", None, "act_heads", None)
             return tuple(qkv_BT3HK[:, :, i] for i in range(3))
-        q_BTHK = add_bias(dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, self.fp8), self.q_bias)
-        kv_BT2GK = add_bias(dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, self.fp8),
+        q_BTHK = add_bias(dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, "qkv" in self.fp8), self.q_bias)
+        kv_BT2GK = add_bias(dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, "qkv" in self.fp8),
                          self.kv_bias)
         kv_BT2GK = shard(kv_BT2GK, "batch", "seq", None, "act_heads", None)
         return shard(q_BTHK, "batch", "seq", "act_heads", None), kv_BT2GK[:, :, 0], kv_BT2GK[:, :, 1]
@@ -210,6 +210,6 @@ class Attention(nnx.Module):
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK.astype(dt), v_BSGK.astype(dt),
                                                     mask=visible_B1TS, implementation="xla")
             kv = KV(k_BSGK, v_BSGK)
-        y_BTD = dense("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, self.fp8)
+        y_BTD = dense("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, "attn_out" in self.fp8)
         y_BTD = add_bias(y_BTD, self.c_proj_bias)
         return y_BTD if kv is None else (y_BTD, kv)

@@ -37,7 +37,7 @@ class MoE(nnx.Module):
             self.c_gate_bias = param(rngs, (E, F), ("experts", "mlp"), None) if cfg.bias else None
         self.c_proj_kernel = param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (E, D), ("experts", "embed"), None) if cfg.bias else None
-        self.fp8 = cfg.fp8
+        self.fp8 = cfg.fp8_linears()  # the kinds in fp8 (model.fp8): the experts take theirs
         shared = dataclasses.replace(cfg, mlp_hidden=cfg.moe_shared_experts * F)
         self.shared = MLP(shared, rngs) if cfg.moe_shared_experts else None
         self.router_bias = param(rngs, (E,), ("router",), None) if cfg.moe_balance == "bias" else None

@@ -88,14 +88,14 @@ class MLP(nnx.Module):
             self.c_gate_bias = param(rngs, (F,), ("mlp",), None) if cfg.bias else None
         self.c_proj_kernel = param(rngs, (F, D), ("mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if cfg.bias else None
-        self.kind, self.fp8 = cfg.mlp, cfg.fp8
+        self.kind, self.fp8 = cfg.mlp, cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, self.fp8), self.c_fc_bias)
+        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, "mlp_in" in self.fp8), self.c_fc_bias)
         gate_BTF = None
         if self.kind == "swiglu":
-            gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, self.fp8),
+            gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, "mlp_gate" in self.fp8),
                              self.c_gate_bias)
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF), "batch", "seq", "act_mlp")
-        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, self.fp8),
+        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8),
                      self.c_proj_bias)

@@ -170,7 +170,7 @@ def expert_mlp(x_MD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, w: Expe
 
 
 def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "gelu", top_k: int,
-            capacity_factor: float, drop: bool = True, fp8: bool = False, dispatch: str = "capacity",
+            capacity_factor: float, drop: bool = True, fp8: frozenset[str] = frozenset(), dispatch: str = "capacity",
             bias_E: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
     (sampling) gives every expert room for the whole group, so no assignment is dropped and a
@@ -199,11 +199,11 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "g
     x_EGCD = shard(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_BTD), "experts", "expert_batch", None, "act_embed")
     if manual_ep := manual_size("ep") > 1:
         x_EGCD = jax.lax.all_to_all(x_EGCD, "ep", 0, 1, tiled=True)  # [E/ep, G x ep, C, D]
-    h_EGCF = _plus(linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF.astype(dt), fp8), w.fc_bias_EF)
+    h_EGCF = _plus(linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF.astype(dt), "expert_in" in fp8), w.fc_bias_EF)
     gate_EGCF = None if w.gate_EDF is None else _plus(
-        linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF.astype(dt), fp8), w.gate_bias_EF)
+        linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF.astype(dt), "expert_gate" in fp8), w.gate_bias_EF)
     h_EGCF = shard(activate(mlp, h_EGCF, gate_EGCF), "experts", "expert_batch", None, "act_mlp")
-    y_EGCD = _plus(linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD.astype(dt), fp8), w.proj_bias_ED)
+    y_EGCD = _plus(linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD.astype(dt), "expert_out" in fp8), w.proj_bias_ED)
     if manual_ep:
         y_EGCD = jax.lax.all_to_all(y_EGCD, "ep", 1, 0, tiled=True)  # back to [E, G, C, D]
     y_EGCD = shard(y_EGCD, "experts", "expert_batch", None, "act_embed")

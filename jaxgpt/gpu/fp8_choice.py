@@ -1,0 +1,166 @@
+"""`model.fp8=auto`: fp8 for the block linears the step-time model predicts faster, bf16 for the rest.
+
+fp8 halves a GEMM's time where it is compute-bound, but every fp8 GEMM needs its operands
+quantized (jaxgpt/model/fp8.py): an amax reduction and a scaled cast per operand, and the
+transposed f8 copies cuBLASLt's fp8 kernels need (jaxgpt/gpu/target.py FP8_OPTIONS). That work
+is memory-bound and grows with the operands (M x K + K x N + M x N elements), the saving with
+the FLOPs (M x N x K), so fp8 pays on wide layers and loses on narrow ones: gpt2-124m in fp8 is
+0.82x bf16 on an H100, gpt2-1.3b 1.055x (measured, docs/benchmarks.md).
+
+The choice is per linear kind (the named scopes of `fp8.linear`: qkv, attn_out, mlp_in, mlp_gate,
+mlp_out and the experts' three), from the shapes alone, so that it needs no compile and is the
+same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kind on one device
+(the micro-batch's tokens M, the weight K x N as tp leaves it) and each of its three GEMMs
+(forward x.w, backward dy.w^T and x^T.dy), the estimate uses the step-time model's own pieces
+(jaxgpt/gpu/cost.py `gemm_seconds`, `memory_seconds`, the device constants of jaxgpt/gpu/perf.py):
+
+    bf16  = the three GEMMs in bf16 (2-byte operands)
+    fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
+            + (M K + K N + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
+
+and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. QUANT_BYTES: 7 bytes an
+element would do (read for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), but
+XLA:GPU's programs spend more: an amax fusion recomputes the operand's producer (the LayerNorm
+before qkv and mlp_in, the GELU before mlp_out), and the GELU's gradient reaches mlp_in's cast in
+fp32. The compiled gpt2-124m and gpt2-1.3b steps on an H100 (docs/benchmarks.md, "fp8 in the
+step-time model": the fp8 step less the bf16 step less the GEMMs' saving) spend 314 and 968 ms
+on what this count puts at 182 and 604 ms with 7 bytes: 1.72x and 1.60x, so 11.5 bytes an element.
+That constant is read off the step-time model's two programs, not refit against a GPU. Collective
+traffic is left out: fsdp's all-gathers of e4m3 weights move half the bytes, which only favours
+fp8 more than estimated.
+
+Where the model is not told a GPU (a CPU run, a plan without --target, a GPU other than an H100 or
+H200) auto is bf16 everywhere, and says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from jaxgpt.config import Config, pipeline_microbatches, round_rows
+from jaxgpt.gpu import cost
+from jaxgpt.gpu.perf import Perf, perf
+from jaxgpt.hlo import BLOCK_LINEARS
+
+QUANT_BYTES = 11.5   # HBM bytes per operand element an fp8 GEMM's quantization moves (module docstring)
+QUANT_KERNELS = 10   # its kernels per use: three amax reductions and their scalars, casts, transposed copies
+
+
+class Shape(NamedTuple):
+    """One forward GEMM of a linear on one device: [batch x] (m x k) . (k x n)."""
+    batch: int
+    m: int
+    k: int
+    n: int
+
+
+class Choice(NamedTuple):
+    kind: str
+    uses: int             # per step on one device (layers x micro-batches)
+    bf16_seconds: float   # per step: the kind's GEMMs, forward and both gradients, in bf16
+    fp8_seconds: float    # the same in fp8, with the quantization around them
+
+    @property
+    def gain_seconds(self) -> float:
+        return self.bf16_seconds - self.fp8_seconds
+
+    @property
+    def fp8(self) -> bool:
+        return self.gain_seconds > 0
+
+
+def linear_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[list[Shape], int]]:
+    """Each block linear kind the model has -> (its forward GEMMs in one use on one device, uses per
+    step). M is a pipeline micro-batch's (else a gradient-accumulation round's) tokens on one device;
+    tp splits the heads and the MLP width."""
+    m, tp = cfg.model, sizes["tp"]
+    chunks = pipeline_microbatches(cfg, sizes)
+    M = round_rows(cfg, sizes) // chunks * m.seq_len
+    layers = m.n_layer // sizes["pp"]
+    rounds = cfg.train.grad_accum * chunks
+    D, H, G, K = m.n_embd, m.n_head, m.kv_heads, m.head_dim
+    moe_layers = layers // m.moe_every if m.moe_experts else 0
+    qkv = [Shape(1, M, D, 3 * H * K // tp)] if G == H else [Shape(1, M, D, H * K // tp), Shape(1, M, D, 2 * G * K // tp)]
+    out = {"qkv": (qkv, layers * rounds), "attn_out": ([Shape(1, M, H * K // tp, D)], layers * rounds)}
+    mlp = {"mlp_in": Shape(1, M, D, m.mlp_width // tp), "mlp_out": Shape(1, M, m.mlp_width // tp, D)}
+    if m.mlp == "swiglu":
+        mlp["mlp_gate"] = mlp["mlp_in"]
+    if dense := layers - moe_layers:
+        out.update({k: ([s], dense * rounds) for k, s in mlp.items()})
+    if m.moe_shared_experts and moe_layers:  # a dense MLP of S expert widths (jaxgpt/model/blocks.py), same scopes
+        width = m.moe_shared_experts * m.expert_width // tp
+        shared = {"mlp_in": Shape(1, M, D, width), "mlp_out": Shape(1, M, width, D)}
+        if m.mlp == "swiglu":
+            shared["mlp_gate"] = shared["mlp_in"]
+        out.update({f"{k}+shared": ([s], moe_layers * rounds) for k, s in shared.items()})
+    if moe_layers and m.moe_dispatch == "capacity":  # dropless experts are ragged_dot GEMMs: no fp8 form
+        E = m.moe_experts // sizes["ep"]
+        slots = M * m.moe_top_k * m.moe_capacity_factor * sizes["ep"] // m.moe_experts  # tokens per local expert
+        F = m.expert_width // tp
+        experts = {"expert_in": Shape(E, int(slots), D, F), "expert_out": Shape(E, int(slots), F, D)}
+        if m.mlp == "swiglu":
+            experts["expert_gate"] = experts["expert_in"]
+        out.update({k: ([s], moe_layers * rounds) for k, s in experts.items()})
+    return out
+
+
+def _gemm(batch: int, m: int, k: int, n: int, fp8: bool, p: Perf) -> float:
+    width = 1 if fp8 else 2
+    g = cost.Gemm(batch, m, n, k, fp8, "", batch > 1)
+    return cost.gemm_seconds(g, batch * (width * (m * k + k * n) + 2 * m * n), p)
+
+
+def use_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
+    """One use of a linear kind: its forward GEMMs and both gradients (dx = dy.w^T, dw = x^T.dy), with
+    fp8 the quantization of their operands too."""
+    total = 0.0
+    for s in gemms:
+        total += sum(_gemm(s.batch, *mkn, fp8, p) for mkn in ((s.m, s.k, s.n), (s.m, s.n, s.k), (s.k, s.m, s.n)))
+        if fp8:
+            elements = s.batch * (s.m * s.k + s.k * s.n + s.m * s.n)
+            total += cost.memory_seconds(QUANT_BYTES * elements, p) + (QUANT_KERNELS - 1) * p.launch_seconds
+    return total
+
+
+def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
+    """The estimate for every block linear kind of cfg's model on device p, in BLOCK_LINEARS order."""
+    by_kind: dict[str, list[float]] = {}
+    for name, (gemms, uses) in linear_shapes(cfg, sizes).items():
+        kind = name.split("+")[0]
+        row = by_kind.setdefault(kind, [0, 0.0, 0.0])
+        row[0] += uses
+        row[1] += uses * use_seconds(gemms, p, False)
+        row[2] += uses * use_seconds(gemms, p, True)
+    return [Choice(kind, *by_kind[kind]) for kind in BLOCK_LINEARS if kind in by_kind]
+
+
+def target_of(device) -> str | None:
+    """'h100' or 'h200' for such a GPU (its device_kind), else None: the step-time model knows no other."""
+    kind = str(getattr(device, "device_kind", "")).upper()
+    return "h200" if "H200" in kind else "h100" if "H100" in kind else None
+
+
+def resolve(cfg: Config, sizes: dict[str, int], target: str | None) -> tuple[Config, list[Choice], str]:
+    """(cfg with model.fp8=auto replaced by the kinds that take fp8, or false; the estimate per kind;
+    one line saying what auto chose). Any other model.fp8 comes back as it is, with no line."""
+    if cfg.model.fp8 != "auto":
+        return cfg, [], ""
+    if target is None:
+        chosen, rows = [], []
+        why = "model.fp8=auto: bf16 everywhere (the step-time model costs fp8 on an H100 or H200 only)"
+    else:
+        p = perf(target)
+        rows = choices(cfg, sizes, p)
+        chosen = [c.kind for c in rows if c.fp8]
+        gain = sum(c.gain_seconds for c in rows if c.fp8)
+        why = (f"model.fp8=auto on {p.name}: fp8 for {', '.join(chosen) or 'no layer'}, bf16 for the rest; "
+               f"predicted {1e3 * gain:,.1f} ms/step faster than bf16 (jaxgpt/gpu/fp8_choice.py, a model, "
+               f"not a measurement)")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8=",".join(chosen) or False)), rows, why
+
+
+def format_choices(rows: list[Choice]) -> list[str]:
+    """One line per linear kind: fp8 or bf16, and the predicted gain of fp8 over bf16."""
+    return [f"  {c.kind:<12}{'fp8' if c.fp8 else 'bf16':<6}predicted gain of fp8 {1e3 * c.gain_seconds:+,.1f} ms/step "
+            f"(bf16 {1e3 * c.bf16_seconds:,.1f} ms, fp8 {1e3 * c.fp8_seconds:,.1f} ms, {c.uses} uses)" for c in rows]
