@@ -45,7 +45,7 @@ from jaxgpt import files, hlo
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import POSITIVE, Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
-from jaxgpt.gpu import search
+from jaxgpt.gpu import fp8_choice, search
 from jaxgpt.hf.llama import check_init_from_hf
 
 GIB, MIB = 2**30, 2**20
@@ -267,6 +267,7 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
     if cfg.model.remat == "auto":
         raise ValueError("resolve model.remat=auto first (jaxgpt.remat.resolve)")
     sizes = validate(cfg, len(devices))
+    cfg = fp8_choice.resolve(cfg, sizes, target)[0]  # model.fp8=auto, as `plan` resolves it
     mesh = make_mesh(sizes, list(devices))
     started = time.perf_counter()
     with gpu_target.compiling_for(devices, target) if target else contextlib.nullcontext():
@@ -279,7 +280,7 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
         with jax.set_mesh(mesh):
             lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
     return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target,
-                   cfg.model.fp8 or cfg.model.fp8_head)
+                   bool(cfg.model.fp8_linears()) or cfg.model.fp8_head)
 
 
 def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
@@ -291,10 +292,11 @@ def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
     return lower_step(cfg, devices, target).compile(compiler_options)
 
 
-def _not_fp8(text: str) -> list[str]:
-    """The block GEMMs that model.fp8=true should have made fp8 but XLA did not, e.g. ['qkv backward x2']."""
+def _not_fp8(text: str, kinds: frozenset[str]) -> list[str]:
+    """The block GEMMs that model.fp8 should have made fp8 (those of `kinds`) but XLA did not, e.g.
+    ['qkv backward x2']."""
     missed = collections.Counter(f"{g.layer} {g.role}" for g in hlo.gemm_layers(text)
-                                 if g.layer in hlo.BLOCK_LINEARS and not g.fp8)
+                                 if g.layer in kinds and not g.fp8)
     return [name + (f" x{n}" if n > 1 else "") for name, n in sorted(missed.items())]
 
 
@@ -310,6 +312,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
     import numpy as np
 
     from jaxgpt.gpu import target as gpu_target
+    cfg, fp8_rows, fp8_why = fp8_choice.resolve(cfg, validate(cfg, len(devices)), target)  # model.fp8=auto
     compiled, state, batch, sizes, dtype, kernel, why, compile_seconds = compile_step(cfg, devices, target)
     text = compiled.as_text()
     predicted = None
@@ -325,7 +328,9 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
     return {
         "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat,
         "attention": {"kernel": kernel, "why": why, "fused_calls": hlo.fused_attention_counts(text)},
-        "gemm_calls": hlo.gemm_counts(text), "not_fp8": _not_fp8(text) if cfg.model.fp8 else [],
+        "gemm_calls": hlo.gemm_counts(text), "not_fp8": _not_fp8(text, cfg.model.fp8_linears()),
+        "fp8": cfg.model.fp8, "fp8_auto": {"why": fp8_why, "layers": [dict(c._asdict(), fp8=c.fp8,
+                                                                           gain_seconds=c.gain_seconds) for c in fp8_rows]},
         "mesh": sizes, "devices": len(devices), "platform": devices[0].platform,
         "device_kind": devices[0].device_kind, "compute_dtype": np.dtype(dtype).name,
         "parameters": sum(x.size for x in jax.tree.leaves(state.params)),
@@ -371,12 +376,15 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
                      f"{p['target']}; no GPU here, so no autotuning: GEMM kernel choices may differ)")
     a, gemm = p["attention"], p["gemm_calls"]
     no_fp8 = ""
-    if m.fp8 and p["platform"] != "cpu" and (not gemm["fp8"] or p["not_fp8"]):
-        no_fp8 = f" (model.fp8=true, but XLA formed {'no fp8 GEMM' if not gemm['fp8'] else 'some block GEMMs in bf16'}" \
+    if p["fp8"] and p["platform"] != "cpu" and (not gemm["fp8"] or p["not_fp8"]):
+        no_fp8 = f" (model.fp8={str(p['fp8']).lower()}, but XLA formed {'no fp8 GEMM' if not gemm['fp8'] else 'some block GEMMs in bf16'}" \
                  f"{': ' + ', '.join(p['not_fp8']) if p['not_fp8'] else ''})"
     lines.append(f"attention: {a['kernel']} ({a['why']}) | fused attention calls: {a['fused_calls']['forward']} "
                  f"forward, {a['fused_calls']['backward']} backward | GEMM calls: {gemm['fp8']} fp8, "
                  f"{gemm['other']} other{no_fp8}")
+    if auto := p.get("fp8_auto", {}).get("why"):
+        rows = [fp8_choice.Choice(c["kind"], c["uses"], c["bf16_seconds"], c["fp8_seconds"]) for c in p["fp8_auto"]["layers"]]
+        lines += [auto, *fp8_choice.format_choices(rows)]
     lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | compile "
                  f"{p['compile_seconds']:.1f} s")
     if p["platform"] == "cpu":

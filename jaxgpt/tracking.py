@@ -329,7 +329,7 @@ def run_info(cfg: Config, run_dir: Path, sizes: dict[str, int], devices: list[ja
     """The start event's description of this session (called on process 0 only)."""
     return {"mesh": sizes, "devices": len(devices), "device_kind": getattr(devices[0], "device_kind", "unknown"),
             "platform": devices[0].platform, "process_count": jax.process_count(),
-            "interconnect": interconnect(devices), "compute_dtype": dtype, "fp8": cfg.model.fp8,
+            "interconnect": interconnect(devices), "compute_dtype": dtype, "fp8": bool(cfg.model.fp8_linears()),
             "attention": kernel, "attention_reason": kernel_reason, "params": params,
             "peak_flops_per_device": peak, "config": str((Path(run_dir) / "config.yaml").absolute()),
             "command": sys.argv, "host": socket.gethostname(), "jax": jax.__version__,

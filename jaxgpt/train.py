@@ -62,6 +62,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer
 from jaxgpt.evaluate.tasks import Task, load_tasks
 from jaxgpt.files import read_jsonl
+from jaxgpt.gpu import fp8_choice
 from jaxgpt.lock import DirLock
 from jaxgpt.metrics import Throughput, mfu, peak_flops
 from jaxgpt.model import compute_dtype, param_count
@@ -143,6 +144,14 @@ def _trim_metrics(path: Path, step: int | None) -> None:
         files.write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= step))
 
 
+def _fp8_matmuls(m) -> str:
+    """The banner's fp8 note: every block linear, some (named), or none."""
+    kinds = m.fp8_linears()
+    if not kinds:
+        return ""
+    return " + fp8 matmuls" if m.fp8 is True else f" + fp8 matmuls ({m.fp8.replace(',', ', ')})"
+
+
 def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = None) -> TrainState:
     """Trains `cfg` on `devices` (default: all), logging to run_dir/metrics.jsonl; returns the final state."""
     devices = list(devices or distributed.ordered_devices())
@@ -175,6 +184,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     validate(cfg, len(devices), data_vocab)
     tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
     cfg, remat_why, memory = resolve_remat(cfg, devices)  # model.remat=auto: a GPU's limit, a CPU's share of the host
+    # model.fp8=auto: the linears the step-time model predicts faster in fp8 on this GPU (none on a CPU)
+    cfg, fp8_rows, fp8_why = fp8_choice.resolve(cfg, sizes, fp8_choice.target_of(devices[0]))
     t, m = cfg.train, cfg.model
     pid = jax.process_index()
     mesh = make_mesh(sizes, devices)
@@ -227,11 +238,13 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                 print(f"jaxgpt: {param_count(m) / 1e6:.1f}M parameters{active} | mesh {layout} on {len(devices)} "
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
-                      f"{' + fp8 matmuls' if m.fp8 else ''} | attention {kernel} ({why}) | remat {m.remat} "
+                      f"{_fp8_matmuls(m)} | attention {kernel} ({why}) | remat {m.remat} "
                       f"({remat_why})", flush=True)
+                if fp8_why:
+                    print("\n".join([fp8_why, *fp8_choice.format_choices(fp8_rows)]), flush=True)
                 if devices[0].platform == "cpu":
                     print(f"host allocator: {allocator.describe()}", flush=True)
-            precision = "fp8" if m.fp8 else np.dtype(dtype).name
+            precision = "fp8" if m.fp8_linears() else np.dtype(dtype).name
             peak = peak_flops(devices[0], precision)
             if pid == 0:
                 if restart := distributed.restart_info():  # launch_multihost.sh --max-restarts

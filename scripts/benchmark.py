@@ -59,6 +59,7 @@ from jaxgpt import allocator, data, plan
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
+from jaxgpt.gpu import fp8_choice
 from jaxgpt.hlo import gemm_counts
 from jaxgpt.metrics import mfu, peak_flops
 from jaxgpt.model.attention import select_kernel
@@ -88,6 +89,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     cfg = plan.resolve_remat(cfg, devices)[0]  # model.remat=auto, as in training
     data_dir = data.resolve_data_dir(cfg.data.path)
     sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
+    cfg = fp8_choice.resolve(cfg, sizes, fp8_choice.target_of(devices[0]))[0]  # model.fp8=auto, as in training
     tokens = data.load_split(data_dir, "train")
     t, m = cfg.train, cfg.model
     mesh = make_mesh(sizes, devices)
@@ -117,7 +119,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     tokens_per_step = t.batch_size * m.seq_len
     rate = tokens_per_step / step_s
     dtype = np.dtype(compute_dtype(m.dtype)).name
-    peak = peak_flops(devices[0], "fp8" if m.fp8 else dtype)
+    peak = peak_flops(devices[0], "fp8" if m.fp8_linears() else dtype)
     input_rate = input_tokens_per_sec(cfg, tokens, input_batches)
     hlo = compiled.as_text()
     collectives = plan.collective_summary(hlo, len(devices))

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --warmup must be positive")
     cfg = load_config(args.config, args.overrides, None)
     m, t = cfg.model, cfg.train
-    if m.beyond_gpt2() or m.moe_experts or m.fp8 or m.remat not in ("none", "auto") or t.grad_accum != 1:
+    if m.beyond_gpt2() or m.moe_experts or m.fp8_linears() or m.remat not in ("none", "auto") or t.grad_accum != 1:
         parser.error("the reference is GPT-2 only: no MoE, fp8, remat, grad_accum or model.* beyond GPT-2 "
                      f"({' '.join(m.beyond_gpt2()) or 'see the config'})")
     if m.dtype == "bfloat16":

@@ -148,7 +148,8 @@ def resolve(cfg: Config, sizes: dict[str, int], target: str | None) -> tuple[Con
         return cfg, [], ""
     if target is None:
         chosen, rows = [], []
-        why = "model.fp8=auto: bf16 everywhere (the step-time model costs fp8 on an H100 or H200 only)"
+        why = ("model.fp8=auto: no layer in fp8, the compute dtype everywhere (the step-time model costs fp8 on "
+               "an H100 or H200 only, and this run has neither)")
     else:
         p = perf(target)
         rows = choices(cfg, sizes, p)
