@@ -71,26 +71,30 @@ SEED = Range(0, 2**32 - 1)  # what Grain's shuffle accepts
 
 def _f(default: Any, doc: str, choices: tuple[str, ...] | None = None, range: Range | None = None,
        words: Any = None) -> Any:
-    """words: for a key that also takes a string besides its type's values (model.fp8: true, false,
-    auto or a list of layers), a function (key, string) -> the value, raising UserError."""
+    """words: for a key that also takes strings besides its type's values (model.fp8: true, false,
+    auto or a list of layers), a function (key, the YAML or command-line value) -> the value, raising
+    UserError for anything else."""
     if range is None and type(default) in (int, float):
         range = Range()  # finite, at least; test_config asks every numeric key for a real range
     return field(default=default, metadata={"doc": doc, "choices": choices, "range": range, "words": words})
 
 
-def _fp8_words(key: str, text: str) -> str:
-    """model.fp8's string forms: 'auto', or block linear kinds separated by commas (written back in
-    BLOCK_LINEARS order, so equal lists read equal)."""
-    if text == "auto":
-        return text
-    kinds = [k.strip() for k in text.split(",") if k.strip()]
-    for k in kinds:
-        if k not in BLOCK_LINEARS:
-            raise UserError(f"config key '{key}' is true, false, auto or a comma-separated list of "
-                            f"{', '.join(BLOCK_LINEARS)}; got {_short(text)}{_nearest(k, [*BLOCK_LINEARS, 'auto'])}")
-    if not kinds:
+def _fp8_words(key: str, raw: Any) -> bool | str:
+    """model.fp8 from a YAML file or the command line: true or false, 'auto', or block linear kinds
+    separated by commas (written back in BLOCK_LINEARS order, so equal lists read equal)."""
+    if isinstance(raw, str):
+        try:
+            raw = files.load_yaml(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            pass  # ',' is not YAML: said below, as any other wrong value
+    if isinstance(raw, bool) or raw == "auto":
+        return raw
+    kinds = [k.strip() for k in raw.split(",") if k.strip()] if isinstance(raw, str) else []
+    wrong = next((k for k in kinds if k not in BLOCK_LINEARS), None)
+    if not kinds or wrong:
+        hint = _nearest(wrong, [*BLOCK_LINEARS, "auto"]) if wrong else ""
         raise UserError(f"config key '{key}' is true, false, auto or a comma-separated list of "
-                        f"{', '.join(BLOCK_LINEARS)}; got {_short(text)}")
+                        f"{', '.join(BLOCK_LINEARS)}; got {_short(raw)}{hint}")
     return ",".join(k for k in BLOCK_LINEARS if k in kinds)
 
 
@@ -369,6 +373,8 @@ def _nearest(key: str, options) -> str:
 def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
     want = type(f.default)
+    if words := f.metadata.get("words"):  # a key of its own forms (model.fp8)
+        return words(key, raw)
     if isinstance(raw, (list, dict)) and any(v is None for v in (raw.values() if isinstance(raw, dict) else raw)):
         raise UserError(f"config key '{key}' holds an empty (null) entry: {_short(raw)}")
     if key == "data.mix" and isinstance(raw, list):  # YAML list form: [{web: 0.7}, {code: 0.3}] or ["web:0.7", ...]
@@ -392,8 +398,6 @@ def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
         value = float(value)
     if want is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
-    if (words := f.metadata.get("words")) and isinstance(value, str):
-        return words(key, value.strip())
     if type(value) is not want:
         raise UserError(f"config key '{key}' wants {'an' if want is int else 'a'} {want.__name__}, got {_short(raw)}")
     choices = f.metadata.get("choices")

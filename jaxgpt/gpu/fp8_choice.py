@@ -155,9 +155,9 @@ def resolve(cfg: Config, sizes: dict[str, int], target: str | None) -> tuple[Con
         rows = choices(cfg, sizes, p)
         chosen = [c.kind for c in rows if c.fp8]
         gain = sum(c.gain_seconds for c in rows if c.fp8)
-        why = (f"model.fp8=auto on {p.name}: fp8 for {', '.join(chosen) or 'no layer'}, bf16 for the rest; "
-               f"predicted {1e3 * gain:,.1f} ms/step faster than bf16 (jaxgpt/gpu/fp8_choice.py, a model, "
-               f"not a measurement)")
+        what = (f"fp8 for {', '.join(chosen)}, bf16 for the rest: predicted {1e3 * gain:,.1f} ms/step faster "
+                f"than bf16" if chosen else "bf16 everywhere: fp8 is predicted slower for every layer")
+        why = f"model.fp8=auto on {p.name}: {what} (jaxgpt/gpu/fp8_choice.py, a model, not a measurement)"
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fp8=",".join(chosen) or False)), rows, why
 
 
