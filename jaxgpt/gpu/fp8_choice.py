@@ -18,16 +18,19 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
     fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
             + (M K + K N + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
 
-and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. QUANT_BYTES: 7 bytes an
-element would do (read for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), but
-XLA:GPU's programs spend more: an amax fusion recomputes the operand's producer (the LayerNorm
-before qkv and mlp_in, the GELU before mlp_out), and the GELU's gradient reaches mlp_in's cast in
-fp32. The compiled gpt2-124m and gpt2-1.3b steps on an H100 (docs/benchmarks.md, "fp8 in the
-step-time model": the fp8 step less the bf16 step less the GEMMs' saving) spend 314 and 968 ms
-on what this count puts at 182 and 604 ms with 7 bytes: 1.72x and 1.60x, so 11.5 bytes an element.
-That constant is read off the step-time model's two programs, not refit against a GPU. Collective
-traffic is left out: fsdp's all-gathers of e4m3 weights move half the bytes, which only favours
-fp8 more than estimated.
+and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM's result is
+f32 (XLA:GPU's cuBLASLt fp8 calls in these programs write f32 and rescale and cast it in the next
+fusion), so it moves more bytes than a bf16 GEMM. With that, each kind's GEMM time, bf16 and fp8,
+is the compiled program's to 0.1 ms (gpt2-124m and gpt2-1.3b on an H100: docs/benchmarks.md, "fp8
+in the step-time model"; tests/test_fp8_choice.py). QUANT_BYTES: 7 bytes an element would do (read
+for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), but XLA:GPU's programs move
+more: an amax fusion recomputes the operand's producer (the LayerNorm before qkv and mlp_in, the
+GELU before mlp_out), and the consumers read the f32 GEMM results. What fp8=true adds outside the
+GEMMs in the compiled gpt2-124m and gpt2-1.3b steps (the step less its GEMMs, against bf16's;
+docs/benchmarks.md, "model.fp8=auto") is 9.0 and 9.4 bytes an element of this count after the
+launches; 9.5, rounded up so that a close call goes to bf16. It is read off the step-time model's
+programs, not refit against a GPU. Collective traffic is left out: fsdp's all-gathers of e4m3
+weights move half the bytes, which only favours fp8 more than estimated.
 
 Where the model is not told a GPU (a CPU run, a plan without --target, a GPU other than an H100 or
 H200) auto is bf16 everywhere, and says so.
@@ -43,7 +46,7 @@ from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
 
-QUANT_BYTES = 11.5   # HBM bytes per operand element an fp8 GEMM's quantization moves (module docstring)
+QUANT_BYTES = 9.5    # HBM bytes per operand element an fp8 GEMM's quantization moves (module docstring)
 QUANT_KERNELS = 10   # its kernels per use: three amax reductions and their scalars, casts, transposed copies
 
 
@@ -106,21 +109,27 @@ def linear_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[list[Sh
 
 
 def _gemm(batch: int, m: int, k: int, n: int, fp8: bool, p: Perf) -> float:
-    width = 1 if fp8 else 2
+    """One GEMM as cost.py costs it: bf16 operands and result, or f8 operands and an f32 result (what
+    XLA:GPU's cuBLASLt fp8 calls write in these programs; the rescale and cast follow in a fusion)."""
     g = cost.Gemm(batch, m, n, k, fp8, "", batch > 1)
-    return cost.gemm_seconds(g, batch * (width * (m * k + k * n) + 2 * m * n), p)
+    operand, result = (1, 4) if fp8 else (2, 2)
+    return cost.gemm_seconds(g, batch * (operand * (m * k + k * n) + result * m * n), p)
+
+
+def gemm_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
+    """One use of a linear kind's GEMMs: each forward GEMM and both its gradients (dx = dy.w^T, dw = x^T.dy)."""
+    return sum(_gemm(s.batch, *mkn, fp8, p) for s in gemms for mkn in ((s.m, s.k, s.n), (s.m, s.n, s.k), (s.k, s.m, s.n)))
+
+
+def quantize_seconds(gemms: list[Shape], p: Perf) -> float:
+    """What one use of a linear kind adds around its fp8 GEMMs: amax, casts, transposed copies."""
+    elements = sum(s.batch * (s.m * s.k + s.k * s.n + s.m * s.n) for s in gemms)
+    return cost.memory_seconds(QUANT_BYTES * elements, p) + (QUANT_KERNELS * len(gemms) - 1) * p.launch_seconds
 
 
 def use_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
-    """One use of a linear kind: its forward GEMMs and both gradients (dx = dy.w^T, dw = x^T.dy), with
-    fp8 the quantization of their operands too."""
-    total = 0.0
-    for s in gemms:
-        total += sum(_gemm(s.batch, *mkn, fp8, p) for mkn in ((s.m, s.k, s.n), (s.m, s.n, s.k), (s.k, s.m, s.n)))
-        if fp8:
-            elements = s.batch * (s.m * s.k + s.k * s.n + s.m * s.n)
-            total += cost.memory_seconds(QUANT_BYTES * elements, p) + (QUANT_KERNELS - 1) * p.launch_seconds
-    return total
+    """One use of a linear kind: its GEMMs, with fp8 the quantization of their operands too."""
+    return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p) if fp8 else 0.0)
 
 
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:

@@ -46,6 +46,9 @@ head stay in the compute dtype: the head sets the logits' precision, and MaxText
 fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/model/loss.py: its three GEMMs per chunk,
 with `quantize` and `scaled_dot` from here), as the fastest GPT-2 speedruns do; for gpt2-124m the
 head is ~30% of the FLOPs. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the kernel.
+`model.fp8` may also name the kinds (`qkv,mlp_in,mlp_out`), and `model.fp8=auto` names those the
+step-time model predicts faster in fp8 on the target GPU (jaxgpt/gpu/fp8_choice.py): each `linear`
+call is told whether its own kind is in fp8.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ Beyond GPT-2 (each key defaults to GPT-2's choice, which keeps the tree above ex
     model.logit_softcap=c      logits c * tanh(logits / c)
 A Llama-style block: x + attn(rmsnorm(x)) and x + swiglu(rmsnorm(x)), the same pre-norm residual.
 
-Options. `model.fp8` runs the four linear layers of each block through `fp8.fp8_einsum`;
+Options. `model.fp8` runs the linear layers of each block through `fp8.fp8_einsum` (true: all;
+a list or a resolved auto: those named, ModelConfig.fp8_linears);
 `model.remat` recomputes each block's activations in the backward pass under a
 `jax.checkpoint` policy (remat.py: memory for FLOPs); `model.scan_layers=false` unrolls the scan
 over the stacked blocks (the parameters stay stacked). Scanned, every activation the backward pass
