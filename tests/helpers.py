@@ -53,6 +53,12 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
+def xla_flags(devices: int) -> str:
+    """The test session's XLA_FLAGS (tests/conftest.py) for a subprocess with `devices` CPU devices."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs `python -m module args` in a subprocess with the test's 8 fake devices (and `env` added)."""

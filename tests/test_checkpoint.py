@@ -224,10 +224,19 @@ def test_reshard_dp8_to_fsdp_tp_and_one_device(tmp_path, shakespeare_dir):
     assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.fixture(scope="module")
+def _three_checkpoints_once(tmp_path_factory, shakespeare_dir):
+    run_dir = tmp_path_factory.mktemp("three-checkpoints")
+    train(tiny_config("train.steps=6", "checkpoint.every=2", mesh="dp=8"), run_dir)
+    return run_dir
+
+
 @pytest.fixture()
-def three_checkpoints(tmp_path, shakespeare_dir):
-    train(tiny_config("train.steps=6", "checkpoint.every=2", mesh="dp=8"), tmp_path)
-    return tmp_path
+def three_checkpoints(_three_checkpoints_once, tmp_path):
+    """A finished dp=8 run with checkpoints 2, 4 and 6, this test's own copy (trained once per module)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(_three_checkpoints_once, run_dir)
+    return run_dir
 
 
 def _restore(run_dir: Path, *overrides: str, params_only: bool = False):

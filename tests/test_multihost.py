@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import REPO, TINY, read_metrics, train_losses, tiny_config
+from helpers import REPO, TINY, read_metrics, tiny_config, train_losses, xla_flags
 
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, PEER_LOST
@@ -40,7 +40,8 @@ def _free_port() -> int:
 
 
 def _launcher(run_dir, *args: str, restarts: int = 0, mesh: str = MESH) -> tuple[list[str], dict[str, str]]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # the launcher adds --devices-per-process to XLA_FLAGS; the session's other flags stay
+    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in xla_flags(4).split() if "device_count" not in f)}
     env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()), JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
     return (["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--max-restarts",
              str(restarts), "--", "--run-dir", str(run_dir), "--mesh", mesh, *RUN, *args], env)
@@ -154,9 +155,9 @@ def _metrics(run_dir) -> list[dict]:
 
 def _start_two(run_dir) -> list[subprocess.Popen]:
     """Two processes started by hand (COORDINATOR_ADDRESS, NUM_PROCESSES, PROCESS_ID), training until step 3."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     env.update(COORDINATOR_ADDRESS=f"127.0.0.1:{_free_port()}", NUM_PROCESSES="2", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
+               XLA_FLAGS=xla_flags(4), JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
     args = [sys.executable, "-m", "jaxgpt.train", "--run-dir", str(run_dir), "--mesh", MESH, *RUN,
             "train.steps=100000", "checkpoint.every=0"]
     procs = [subprocess.Popen(args, cwd=REPO, env={**env, "PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
@@ -187,7 +188,7 @@ def test_jobset_pods_start_from_the_environment_kubernetes_gives_them(one_proces
     for e in container["env"]:
         path = e["valueFrom"]["fieldRef"]["fieldPath"] if "valueFrom" in e else None
         pod_env[e["name"]] = annotations[path.split("'")[1]] if path else e["value"]
-    pod_env["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"  # 4 CPU devices stand in for a pod's GPUs
+    pod_env["XLA_FLAGS"] += " " + xla_flags(4)  # 4 CPU devices stand in for a pod's GPUs
     pod_env.update(KUBERNETES_SERVICE_HOST="10.96.0.1", JAX_PLATFORMS="cpu", JAX_COORDINATOR_PORT=str(_free_port()))
     assert container["command"][0] == "python"
     argv = [sys.executable, *container["command"][1:], *[a.replace("/runs", str(tmp_path)) for a in container["args"]]]
