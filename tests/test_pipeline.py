@@ -69,7 +69,11 @@ def test_pipeline_matches_single_device(layout, overrides, n, single_device, tmp
 BF16_RTOL = 2.0 ** -8
 
 
-@pytest.mark.parametrize("layout, overrides, n", LAYOUTS)
+# One of each schedule the fp32 matrix holds: plain, 3-D with accumulation, fsdp gathered once, circular
+BF16_LAYOUTS = [LAYOUTS[i] for i in (0, 3, 4, 6)]
+
+
+@pytest.mark.parametrize("layout, overrides, n", BF16_LAYOUTS)
 def test_pipeline_trains_in_bf16(layout, overrides, n, single_device, tmp_path):
     cfg = tiny_config(*PIPE, *overrides, "train.steps=2", "train.eval_every=2", "model.dtype=bfloat16",
                       "model.loss_chunk=0", mesh=layout)
