@@ -53,10 +53,11 @@ def train_losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
 
 
-def xla_flags(devices: int) -> str:
-    """The test session's XLA_FLAGS (tests/conftest.py) for a subprocess with `devices` CPU devices."""
+def xla_flags(devices: int | None) -> str:
+    """The test session's XLA_FLAGS (tests/conftest.py) for a subprocess with `devices` CPU devices
+    (None: no device count, for launch_multihost.sh, which adds its own)."""
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+    return " ".join(kept + ([f"--xla_force_host_platform_device_count={devices}"] if devices else []))
 
 
 def run_cli(*args: str, module: str = "jaxgpt.train", timeout: float = 300,

@@ -186,14 +186,13 @@ def test_help_lists_every_key():
 
 def test_end_to_end_run_writes_metrics(tmp_path):
     # a user's JAX_COMPILATION_CACHE_DIR is left unused on 8 CPU devices (its steps deadlock: jaxgpt/parallel/distributed.py)
-    xla_cache = tmp_path / "xla-cache"
-    proc = run_cli("--run-dir", str(tmp_path / "run"), "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "train.steps=4",
+    xla_cache, run_dir = tmp_path / "xla-cache", tmp_path / "run"
+    proc = run_cli("--run-dir", str(run_dir), "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "train.steps=4",
                    "train.eval_every=2", "train.eval_batches=2", env={"JAX_COMPILATION_CACHE_DIR": str(xla_cache)})
     assert proc.returncode == 0, proc.stderr
     assert "persistent compilation cache is off" in proc.stdout
     assert not (xla_cache.exists() and any(xla_cache.iterdir()))
-    tmp_path = tmp_path / "run"
-    records = read_metrics(tmp_path)
+    records = read_metrics(run_dir)
     train_lines = [r for r in records if "loss" in r]
     eval_lines = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 4]
@@ -203,7 +202,7 @@ def test_end_to_end_run_writes_metrics(tmp_path):
         assert r["mfu"] is None  # no peak FLOP/s is known for CPUs
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
-    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
+    assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     # the command re-executed itself once with a faster host allocator (jaxgpt/allocator.py)
     used = "tcmalloc" if allocator.find_tcmalloc() else "glibc-thp"
     assert f"host allocator: {used}" in proc.stdout, proc.stdout

@@ -40,8 +40,7 @@ def _free_port() -> int:
 
 
 def _launcher(run_dir, *args: str, restarts: int = 0, mesh: str = MESH) -> tuple[list[str], dict[str, str]]:
-    # the launcher adds --devices-per-process to XLA_FLAGS; the session's other flags stay
-    env = {**os.environ, "XLA_FLAGS": " ".join(f for f in xla_flags(4).split() if "device_count" not in f)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None)}  # the launcher adds --devices-per-process
     env.update(PYTHON=sys.executable, JAXGPT_PORT=str(_free_port()), JAXGPT_HEARTBEAT_TIMEOUT=str(HEARTBEAT_S))
     return (["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--max-restarts",
              str(restarts), "--", "--run-dir", str(run_dir), "--mesh", mesh, *RUN, *args], env)
