@@ -276,12 +276,14 @@ class MeshConfig:
     dp: int = _f(-1, "data-parallel axis size; -1 takes the devices the other axes leave", range=MESH_AXIS)
     fsdp: int = _f(1, "FSDP/ZeRO-3 axis size: parameters, grads and optimizer state sharded; -1 as above",
                    range=MESH_AXIS)
+    cp: int = _f(1, "context-parallel axis size: every sequence split over it, causally load-balanced, K/V "
+                 "all-gathered for attention (jaxgpt/parallel/context.py); -1 as above", range=MESH_AXIS)
     ep: int = _f(1, "expert-parallel axis size: MoE experts split over it, and the batch elsewhere; -1 as above",
                  range=MESH_AXIS)
     tp: int = _f(1, "tensor-parallel (Megatron) axis size; -1 as above", range=MESH_AXIS)
     allow_tp_across_hosts: bool = _f(False, "permit a tp axis that spans processes (slow: tp talks in every layer)")
 
-    AXES = ("pp", "dp", "fsdp", "ep", "tp")  # the mesh's order: tp varies fastest, then ep; pp slowest
+    AXES = ("pp", "dp", "fsdp", "cp", "ep", "tp")  # the mesh's order: tp varies fastest, then ep, cp; pp slowest
 
 
 @dataclass(frozen=True)
@@ -588,6 +590,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
                         f"and the MLP width ({m.mlp_width})")
     if m.n_embd % sizes["fsdp"]:
         raise UserError(f"fsdp={sizes['fsdp']} must divide model.n_embd={m.n_embd}")
+    if m.seq_len % (2 * sizes["cp"]):
+        raise UserError(f"cp={sizes['cp']} needs model.seq_len={m.seq_len} to split into 2 x cp = {2 * sizes['cp']} "
+                        f"equal chunks (each device holds an early and a late one)")
     if data_vocab_size is not None and data_vocab_size > m.vocab_size:
         raise UserError(f"the data's tokenizer has {data_vocab_size} tokens but model.vocab_size is "
                         f"{m.vocab_size}; raise model.vocab_size to at least {data_vocab_size}")

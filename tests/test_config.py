@@ -41,8 +41,8 @@ def test_bad_overrides_name_the_key(override, message):
 
 
 def test_mesh_resolution():
-    assert mesh_shape(load_config(mesh="dp=2,fsdp=-1").mesh, 8) == {"pp": 1, "dp": 2, "fsdp": 4, "ep": 1, "tp": 1}
-    assert mesh_shape(load_config().mesh, 8) == {"pp": 1, "dp": 8, "fsdp": 1, "ep": 1, "tp": 1}  # default: all devices dp
+    assert mesh_shape(load_config(mesh="dp=2,fsdp=-1").mesh, 8) == {"pp": 1, "dp": 2, "fsdp": 4, "cp": 1, "ep": 1, "tp": 1}
+    assert mesh_shape(load_config().mesh, 8) == {"pp": 1, "dp": 8, "fsdp": 1, "cp": 1, "ep": 1, "tp": 1}  # default: all devices dp
     for spec, message in [("dp=3", "has 3 devices but 8"), ("dp=-1,tp=-1", "only one axis"),
                           ("dp=3,fsdp=-1", "does not divide"), ("dq=8", "did you mean 'dp'")]:
         with pytest.raises(UserError, match=message):
@@ -182,7 +182,7 @@ def test_llama_8b_has_llama_3_8b_shape_and_its_layouts_validate():
     compiles for H100 are too long for the suite: docs/benchmarks.md has the plan commands."""
     from jaxgpt.model.gpt import param_count
     cfg = load_config("llama-8b", [], "fsdp=8")
-    assert validate(cfg, 8) == {"pp": 1, "dp": 1, "fsdp": 8, "ep": 1, "tp": 1}
+    assert validate(cfg, 8) == {"pp": 1, "dp": 1, "fsdp": 8, "cp": 1, "ep": 1, "tp": 1}
     llama3 = dataclasses.replace(cfg.model, vocab_size=128256)
     assert round(param_count(llama3) / 1e9, 2) == 8.03 and round(param_count(cfg.model) / 1e9, 2) == 7.39
     assert validate(load_config("llama-8b", ["model.n_layer=4"]), 1)["fsdp"] == 1

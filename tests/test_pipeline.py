@@ -206,7 +206,7 @@ def test_checkpoint_moves_from_flat_mesh_into_a_circular_pipeline(single_device,
     (("pipeline.repeats=2",), "dp=8", r"pipeline.repeats=2 needs a pp axis"),
     (("pipeline.microbatches=4",), "dp=8", r"pipeline.microbatches=4 needs a pp axis"),
     (("model.moe_experts=4",), "pp=2,dp=4", r"does not support Mixture-of-Experts"),
-    ((), "pp=3,dp=2", r"mesh pp=3,dp=2,fsdp=1,ep=1,tp=1 has 6 devices but 8"),
+    ((), "pp=3,dp=2", r"mesh pp=3,dp=2,fsdp=1,cp=1,ep=1,tp=1 has 6 devices but 8"),
 ])
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, mesh, message):
     with pytest.raises(UserError, match=message):

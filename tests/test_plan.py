@@ -140,7 +140,7 @@ def test_plan_command_bad_mesh_is_one_line():
     assert proc.returncode == EXIT_USER_ERROR
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [
-        "error: mesh pp=1,dp=3,fsdp=1,ep=1,tp=1 has 3 devices but 8 are available"]
+        "error: mesh pp=1,dp=3,fsdp=1,cp=1,ep=1,tp=1 has 3 devices but 8 are available"]
     for n, says in (("0", "must be positive"), ("100000", "at most 2,048")):  # 100,000 used to hang silently
         proc = run_cli("--fake-devices", n, *TINY, module="jaxgpt.plan", timeout=60)
         assert proc.returncode == EXIT_USER_ERROR and proc.stderr.startswith("error: --fake-devices") and \
@@ -197,7 +197,7 @@ def test_a_step_over_an_accelerators_memory_is_refused_before_it_runs():
     check_memory(step, state, batch, mesh, _GPU(peak))
     # the activations' floor, before compiling (XLA:CPU's compiler crashed with SIGFPE on a step of
     # 2**30 tokens a micro-batch): the real step needs more than the floor, so the floor alone passes
-    floor = activation_floor(cfg, {"pp": 1, "dp": 1, "fsdp": 8, "ep": 1, "tp": 1})
+    floor = activation_floor(cfg, {"pp": 1, "dp": 1, "fsdp": 8, "cp": 1, "ep": 1, "tp": 1})
     assert 0 < floor < peak
     with pytest.raises(UserError, match=r"needs more than .* each layer's input for one micro-batch"):
         check_memory(step, state, batch, mesh, _GPU(peak), floor=peak)

@@ -71,7 +71,7 @@ def test_events_and_report(first_run):
     events = _events(first_run)
     assert [e["event"] for e in events] == ["start", "end"]
     start = events[0]
-    assert start["step"] == 0 and start["mesh"] == {"pp": 1, "dp": 8, "fsdp": 1, "ep": 1, "tp": 1} and start["devices"] == 8
+    assert start["step"] == 0 and start["mesh"] == {"pp": 1, "dp": 8, "fsdp": 1, "cp": 1, "ep": 1, "tp": 1} and start["devices"] == 8
     assert start["process_count"] == 1 and start["device_kind"] and start["time"] <= events[1]["time"]
     assert events[1]["step"] == 4
 
@@ -81,7 +81,7 @@ def test_events_and_report(first_run):
     last_loss = [r for r in metrics if "loss" in r][-1]["loss"]
     assert "8 × cpu" in _row(report, "accelerator")
     assert "1 process" in _row(report, "hosts")
-    assert "pp=1, dp=8, fsdp=1, ep=1, tp=1" in _row(report, "mesh")
+    assert "pp=1, dp=8, fsdp=1, cp=1, ep=1, tp=1" in _row(report, "mesh")
     assert "unknown" in _row(report, "interconnect")
     assert "512 tokens per step" in _row(report, "effective batch")  # 16 sequences x 32 tokens
     assert "32" in _row(report, "sequence length")

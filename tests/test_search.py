@@ -27,11 +27,11 @@ def test_layouts_are_every_product_with_tp_and_ep_inside_a_node():
     assert all(math.prod(s.values()) == 8 and s["ep"] == 1 for s in dense)
     assert len(dense) == len({tuple(s.values()) for s in dense}) == 20  # 8 = 2^3 over pp, dp, fsdp, tp: C(6,3)
     two_nodes = search.layouts(16, 8, moe=True)
-    assert all(s["tp"] * s["ep"] <= 8 for s in two_nodes) and {"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8} in two_nodes
+    assert all(s["tp"] * s["ep"] <= 8 for s in two_nodes) and {"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "ep": 1, "tp": 8} in two_nodes
     assert len(search.layouts(16, 8, moe=True, across_nodes=True)) > len(two_nodes)
     # tp inside a node, dp (the slower axis) across the two
-    assert search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8}, "tp", 8)
-    assert not search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "ep": 1, "tp": 8}, "dp", 8)
+    assert search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "ep": 1, "tp": 8}, "tp", 8)
+    assert not search.inside_node({"pp": 1, "dp": 2, "fsdp": 1, "cp": 1, "ep": 1, "tp": 8}, "dp", 8)
 
 
 def test_candidates_are_the_valid_ones_in_a_fixed_order():

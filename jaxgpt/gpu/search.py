@@ -81,7 +81,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(n: int, gpus_per_node: int, moe: bool, across_nodes: bool = False) -> list[dict[str, int]]:
-    """Every pp x dp x fsdp x ep x tp = n, tp x ep inside a node unless across_nodes (see the docstring)."""
+    """Every pp x dp x fsdp x ep x tp = n, tp x ep inside a node unless across_nodes (see the docstring);
+    cp stays 1 (a long-context layout is chosen by hand: `jaxgpt.plan --mesh ...,cp=N`)."""
     out = []
     for pp, fsdp, ep, tp in itertools.product(_divisors(n), repeat=4):
         if n % (pp * fsdp * ep * tp) or (ep > 1 and not moe):
@@ -90,7 +91,7 @@ def layouts(n: int, gpus_per_node: int, moe: bool, across_nodes: bool = False) -
             continue
         if not across_nodes and n <= gpus_per_node and n % (ep * tp):
             continue
-        out.append({"pp": pp, "dp": n // (pp * fsdp * ep * tp), "fsdp": fsdp, "ep": ep, "tp": tp})
+        out.append({"pp": pp, "dp": n // (pp * fsdp * ep * tp), "fsdp": fsdp, "cp": 1, "ep": ep, "tp": tp})
     return out
 
 
@@ -111,7 +112,7 @@ def candidates(cfg: Config, n: int, gpus_per_node: int) -> list[Candidate]:
 def inside_node(sizes: dict[str, int], axis: str, gpus_per_node: int) -> bool:
     """Whether each group of `axis` lies inside one node: the mesh is cut from devices in process
     order (distributed.py), so an axis's group spans its size times the sizes of the axes after it."""
-    stride = math.prod(sizes[a] for a in MeshConfig.AXES[MeshConfig.AXES.index(axis) + 1:])
+    stride = math.prod(sizes.get(a, 1) for a in MeshConfig.AXES[MeshConfig.AXES.index(axis) + 1:])
     return stride * sizes[axis] <= gpus_per_node
 
 

@@ -45,7 +45,9 @@ from jaxgpt.gpu.target import target_device
 from jaxgpt.model.documents import Documents, packed_segments, visible
 from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
 from jaxgpt.model.positions import rope
+from jaxgpt.parallel.context import ways as cp_ways
 from jaxgpt.parallel.manual import per_shard
+from jaxgpt.parallel.pipeline import vary
 from jaxgpt.parallel.mesh import shard
 
 KERNELS = ("auto", "xla", "cudnn")
@@ -90,6 +92,8 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     if impl not in ("xla", "cudnn"):
         raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
     heads = ("batch", "seq", "act_heads", None)
+    if cp_ways() > 1:  # context parallel: docs holds each index's position (jaxgpt/parallel/context.py)
+        return _context_parallel(q_BTHK, k_BTHK, v_BTHK, docs, impl)
     if impl == "cudnn" and docs is not None:
         attend = partial(_cudnn_documents, max_documents=max_documents)
         return per_shard(attend, heads, q_BTHK, k_BTHK, v_BTHK, docs.start_BT,
@@ -98,9 +102,77 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
     if impl == "cudnn":  # each device attends over its own rows and heads (jaxgpt/parallel/manual.py: why)
         return per_shard(attend, heads, q_BTHK, k_BTHK, v_BTHK)
     if docs is not None:
-        mask_B1TT = visible(docs, jnp.arange(q_BTHK.shape[1], dtype=jnp.int32))[:, None]
+        mask_B1TT = visible(docs, docs.at_T)[:, None]
         return attend(q_BTHK, k_BTHK, v_BTHK, mask=mask_B1TT)
     return attend(q_BTHK, k_BTHK, v_BTHK)
+
+
+def _context_parallel(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array, docs: Documents,
+                      impl: str) -> jax.Array:
+    """Attention with the sequence split over cp (jaxgpt/parallel/context.py): the queries stay
+    split, K and V are gathered whole, and the mask comes from each index's position and document
+    start in `docs` (device order), so it is causal whatever order the positions are in."""
+    if impl == "xla" or q_BTHK.shape[1] % cp_ways():  # cuDNN: a window cp splits evenly (scoring's buckets may not)
+        whole = ("batch", None, "act_heads", None)
+        k_BTGK, v_BTGK = shard(k_BTGK, *whole), shard(v_BTGK, *whole)  # all-gathered over cp
+        mask_B1TT = visible(docs, docs.at_T)[:, None]  # split over cp along the queries, like the scores
+        return jax.nn.dot_product_attention(q_BTHK, k_BTGK, v_BTGK, mask=mask_B1TT, implementation="xla")
+    return _cudnn_context(q_BTHK, k_BTGK, v_BTGK, docs.start_BT, docs.at_T)
+
+
+_HEADS = ("batch", "seq", "act_heads", None)
+_CONTEXT_AXES = (_HEADS, _HEADS, _HEADS, ("batch", "seq"), ("seq",))  # q, k, v, start, at
+
+
+@jax.custom_vjp
+def _cudnn_context(q_BTHK, k_BTGK, v_BTGK, start_BT, at_T) -> jax.Array:
+    """cuDNN flash attention under cp: each device's queries against the whole window's K and V,
+    gathered over cp inside a per-device `shard_map` (`_local_context`).
+
+    A custom_vjp whose backward runs a second per-device function (`_local_context_grads`: the
+    forward again, cuDNN's backward, dK and dV reduce-scattered over cp by hand), so autodiff never
+    transposes a shard_map: transposed inside the train step's dp shard_map, the gathers'
+    cotangents lose their manual-axis types (jaxgpt/parallel/manual.py). The price is one more
+    attention forward per layer in the backward pass."""
+    return per_shard(_local_context, _HEADS, q_BTHK, k_BTGK, v_BTGK, start_BT, at_T, arg_axes=_CONTEXT_AXES)
+
+
+def _cudnn_context_fwd(q_BTHK, k_BTGK, v_BTGK, start_BT, at_T):
+    return _cudnn_context(q_BTHK, k_BTGK, v_BTGK, start_BT, at_T), (q_BTHK, k_BTGK, v_BTGK, start_BT, at_T)
+
+
+def _cudnn_context_bwd(res, d_out_BTHK):
+    q_BTHK, k_BTGK, v_BTGK, start_BT, at_T = res
+    grads = per_shard(_local_context_grads, _HEADS, *res, d_out_BTHK, arg_axes=(*_CONTEXT_AXES, _HEADS))
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # the step's (dp): as the primals vary
+    return (*(vary(g, manual) for g in grads), None, None)
+
+
+_cudnn_context.defvjp(_cudnn_context_fwd, _cudnn_context_bwd)
+
+
+def _local_attend(k_BtGK, v_BtGK, start_Bt, at_t):
+    """(this device's attention as a function of q and the whole K, V; the whole K, V): the keys
+    gathered over cp, the causal and document mask [B, 1, t, T] from the positions as cuDNN's bias.
+    Every (query, key) block is computed, masked or not: each device does the same t x T work
+    (balanced, not skipped)."""
+    gather = partial(jax.lax.all_gather, axis_name="cp", tiled=True)
+    k_BTGK, v_BTGK, key_at_T = gather(k_BtGK, axis=1), gather(v_BtGK, axis=1), gather(at_t, axis=0)
+    key_11T = key_at_T[None, None, :]
+    mask_B1tT = ((key_11T >= start_Bt[:, :, None]) & (key_11T <= at_t[None, :, None]))[:, None]
+    return partial(jax.nn.dot_product_attention, mask=mask_B1tT, implementation="cudnn"), k_BTGK, v_BTGK
+
+
+def _local_context(q_BtHK, k_BtGK, v_BtGK, start_Bt, at_t) -> jax.Array:
+    attend, k_BTGK, v_BTGK = _local_attend(k_BtGK, v_BtGK, start_Bt, at_t)
+    return attend(q_BtHK, k_BTGK, v_BTGK)
+
+
+def _local_context_grads(q_BtHK, k_BtGK, v_BtGK, start_Bt, at_t, d_out_BtHK):
+    attend, k_BTGK, v_BTGK = _local_attend(k_BtGK, v_BtGK, start_Bt, at_t)
+    dq_BtHK, dk_BTGK, dv_BTGK = jax.vjp(attend, q_BtHK, k_BTGK, v_BTGK)[1](d_out_BtHK)
+    scatter = partial(jax.lax.psum_scatter, axis_name="cp", scatter_dimension=1, tiled=True)
+    return dq_BtHK, scatter(dk_BTGK), scatter(dv_BTGK)
 
 
 def _cudnn_documents(q_BTHK, k_BTGK, v_BTGK, start_BT, *, max_documents: int) -> jax.Array:
@@ -122,7 +194,7 @@ def reference_attention(q_BTHK: jax.Array, k_BTGK: jax.Array, v_BTGK: jax.Array,
     scores_BHTT = jnp.einsum("bthk,bshk->bhts", q, k) / jnp.sqrt(K)
     scores_BHTT = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores_BHTT, -jnp.inf)
     if docs is not None:
-        scores_BHTT = jnp.where(visible(docs, jnp.arange(T))[:, None], scores_BHTT, -jnp.inf)
+        scores_BHTT = jnp.where(visible(docs, jnp.arange(T))[:, None], scores_BHTT, -jnp.inf)  # window order
     return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BHTT, axis=-1), v).astype(q_BTHK.dtype)
 
 
@@ -194,7 +266,10 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope_theta is not None:
-            start = docs.position_BT if self.position_reset else 0 if kv is None else pos
+            if docs is None:
+                start = 0 if kv is None else pos
+            else:  # each index's position: its place in its document, or in the window (in device order under cp)
+                start = docs.position_BT if self.position_reset else docs.at_T[None, :]
             q_BTHK, k_BTGK = rope(q_BTHK, start, self.rope_theta), rope(k_BTGK, start, self.rope_theta)
         if kv is None:
             out_BTHK = causal_attention(q_BTHK, k_BTGK, v_BTGK, impl=self.impl, docs=docs,
@@ -206,7 +281,7 @@ class Attention(nnx.Module):
             if docs is None:
                 visible_B1TS = (jnp.arange(S)[None, :] <= pos + jnp.arange(T)[:, None])[None, None]  # causal, unwritten slots hidden
             else:
-                visible_B1TS = visible(docs, jnp.arange(S, dtype=jnp.int32), pos)[:, None]
+                visible_B1TS = visible(docs, jnp.arange(S, dtype=jnp.int32))[:, None]
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK.astype(dt), v_BSGK.astype(dt),
                                                     mask=visible_B1TS, implementation="xla")
             kv = KV(k_BSGK, v_BSGK)

@@ -35,15 +35,19 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgpt.tokenizer import EOT_ID
 
 
 class Documents(NamedTuple):
     """Where each input position's document starts, [B, T] int32 (absolute positions; the window's
-    or, decoding, the cache's), and each position's place inside its document, [B, T] int32."""
+    or, decoding, the cache's), each position's place inside its document, [B, T] int32, and each
+    index's absolute position, [T] int32 (pos, pos+1, ...; under context parallelism the device
+    order of jaxgpt/parallel/context.py, `reordered`)."""
     start_BT: jax.Array
     position_BT: jax.Array
+    at_T: jax.Array
 
 
 def documents(tokens_BT: jax.Array, pos: jax.Array | int = 0, start_B: jax.Array | None = None) -> Documents:
@@ -54,13 +58,28 @@ def documents(tokens_BT: jax.Array, pos: jax.Array | int = 0, start_B: jax.Array
     carried_B = jnp.full(tokens_BT.shape[:1], pos, jnp.int32) if start_B is None else start_B
     begins_BT = jnp.where(tokens_BT == EOT_ID, at_T[None, :], carried_B[:, None])
     start_BT = jax.lax.cummax(begins_BT, axis=1)
-    return Documents(start_BT, at_T[None, :] - start_BT)
+    return Documents(start_BT, at_T[None, :] - start_BT, at_T)
 
 
-def visible(docs: Documents, key_pos_S: jax.Array, pos: jax.Array | int = 0) -> jax.Array:
-    """[B, T, S] bool: query t (at pos + t) sees key slot j iff start[t] <= j <= pos + t."""
-    at_T = pos + jnp.arange(docs.start_BT.shape[1], dtype=jnp.int32)
-    return (key_pos_S[None, None, :] >= docs.start_BT[:, :, None]) & (key_pos_S[None, None, :] <= at_T[None, :, None])
+def whole_windows(B: int, T: int) -> Documents:
+    """Documents of windows that attend causally across their separators (no document masking):
+    each index's start is 0, so only `at_T` masks (context parallelism's reordering needs it)."""
+    at_T = jnp.arange(T, dtype=jnp.int32)
+    return Documents(jnp.zeros((B, T), jnp.int32), jnp.broadcast_to(at_T, (B, T)), at_T)
+
+
+def reordered(docs: Documents, order: np.ndarray | None) -> Documents:
+    """docs with its positions in `order` (jaxgpt/parallel/context.py's device order; None: as is)."""
+    if order is None:
+        return docs
+    return Documents(docs.start_BT[:, order], docs.position_BT[:, order], docs.at_T[order])
+
+
+def visible(docs: Documents, key_pos_S: jax.Array) -> jax.Array:
+    """[B, T, S] bool: the query at index t (position at[t]) sees the key at position key_pos[j]
+    iff start[t] <= key_pos[j] <= at[t]."""
+    key_11S = key_pos_S[None, None, :]
+    return (key_11S >= docs.start_BT[:, :, None]) & (key_11S <= docs.at_T[None, :, None])
 
 
 def packed_segments(start_BT: jax.Array, max_documents: int) -> tuple[jax.Array, jax.Array]:

@@ -92,12 +92,14 @@ def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None
     the sequences each device holds; a loss_chunk that does not divide a shorter T (evaluation's
     length buckets) falls back to the auto rule."""
     T = T or cfg.seq_len
-    if cfg.loss_chunk and T % cfg.loss_chunk == 0:
+    w = splits("seq")  # context parallelism: a chunk takes t/w positions on each device
+    w = w if T % w == 0 else 1
+    if cfg.loss_chunk and T % cfg.loss_chunk == 0 and cfg.loss_chunk % w == 0:
         return cfg.loss_chunk
     platform = target_device().platform
     budget = max(AUTO_CHUNK_ROWS[platform], cfg.n_embd) if platform in AUTO_CHUNK_ROWS else AUTO_CHUNK_ROWS_ACCELERATOR
-    limit = max(1, budget // max(1, rows_per_device))
-    return max(t for t in range(1, min(T, limit) + 1) if T % t == 0)
+    limit = max(w, budget * w // max(1, rows_per_device))
+    return max(t for t in range(w, min(T, limit) + 1, w) if T % t == 0)
 
 
 def _rows_per_device(B: int) -> int:
@@ -140,9 +142,26 @@ def online_max_sum(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _chunks(x_BTD: jax.Array, t: int) -> jax.Array:
-    """[B, T, D] -> [C, B, t, D], the chunk loop's order."""
+    """[B, T, D] -> [C, B, t, D], the chunk loop's order. Under context parallelism (w devices
+    splitting T into w contiguous pieces) chunk c takes the c-th t/w positions of every piece,
+    so each device works on its own positions in every iteration (`_unchunk` undoes it)."""
     B, T, D = x_BTD.shape
-    return shard(x_BTD.reshape(B, T // t, t, D).swapaxes(0, 1), None, "batch", "seq", "act_embed")
+    w = _seq_ways(T, t)
+    x_CBtD = x_BTD.reshape(B, w, T // t, t // w, D).transpose(2, 0, 1, 3, 4).reshape(T // t, B, t, D)
+    return shard(x_CBtD, None, "batch", "seq", "act_embed")
+
+
+def _unchunk(y_CBt: jax.Array) -> jax.Array:
+    """[C, B, t] in `_chunks`' order -> [B, T]."""
+    C, B, t = y_CBt.shape
+    w = _seq_ways(C * t, t)
+    return y_CBt.reshape(C, B, w, t // w).transpose(1, 2, 0, 3).reshape(B, C * t)
+
+
+def _seq_ways(T: int, t: int) -> int:
+    """The devices splitting the positions (cp) where each chunk splits evenly over them, else 1."""
+    w = splits("seq")
+    return w if T % w == 0 and t % w == 0 else 1
 
 
 def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
@@ -168,8 +187,7 @@ def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: M
     def body(_, x_BtD):
         return None, head.lse(head.logits(x_BtD)[0])
 
-    lse_CBt = jax.lax.scan(body, None, _chunks(x_BTD, t))[1]
-    lse_BT = lse_CBt.swapaxes(0, 1).reshape(B, T)
+    lse_BT = _unchunk(jax.lax.scan(body, None, _chunks(x_BTD, t))[1])
     return lse_BT - label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap)
 
 

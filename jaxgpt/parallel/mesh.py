@@ -8,6 +8,9 @@ Mesh axes
     fsdp  ZeRO-3: the batch is split *and* every parameter (so its gradient and its AdamW moments)
           is split along its `embed` dimension; XLA all-gathers a weight just before use and
           reduce-scatters its gradient.
+    cp    context parallelism: every activation's sequence dimension is split, an early and a late
+          chunk of the window on each device (causal load balancing); attention gathers K and V
+          over cp, parameters are replicated like under dp (jaxgpt/parallel/context.py).
     ep    expert parallelism: the experts of a Mixture-of-Experts block (`experts`) are split, each
           device holding E/ep whole experts; everywhere else ep splits the batch like dp, so no
           device idles outside the MoE layers (jaxgpt/model/moe.py: how tokens reach their experts).
@@ -18,9 +21,10 @@ Mesh axes
           i's query heads read exactly shard i's kv heads, so attention stays local, and a layout
           whose tp does not divide model.n_kv_head is refused before compiling.
 
-The device order is (pp, dp, fsdp, ep, tp): tp varies fastest, then ep, so the two axes that talk
-inside every layer (tp's all-reduces, ep's all-to-alls) take neighbouring devices, and pp, which
-only passes activations between neighbouring stages, varies slowest and so spans hosts first.
+The device order is (pp, dp, fsdp, cp, ep, tp): tp varies fastest, then ep, then cp, so the axes that
+talk inside every layer (tp's all-reduces, ep's all-to-alls, cp's K/V gathers) take neighbouring
+devices, and pp, which only passes activations between neighbouring stages, varies slowest and so
+spans hosts first.
 
 Auto, not Explicit, axes
 ------------------------
@@ -50,7 +54,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import MeshConfig
 
-MESH_AXES = MeshConfig.AXES  # ("dp", "fsdp", "ep", "tp")
+MESH_AXES = MeshConfig.AXES  # ("pp", "dp", "fsdp", "cp", "ep", "tp")
 
 RULES: dict[str, str | tuple[str, ...] | None] = {
     # parameters
@@ -69,7 +73,7 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": ("dp", "fsdp", "ep"),
     "expert_batch": ("dp", "fsdp"),  # token groups once sorted to their experts (ep is on `experts`)
-    "seq": None,
+    "seq": "cp",            # context parallelism: each device a (load-balanced) share of the window
     "act_embed": None,
     "act_heads": "tp",
     "act_mlp": "tp",
@@ -92,7 +96,7 @@ def logical_to_spec(axes: Sequence[str | None]) -> P:
 
 
 def make_mesh(sizes: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A pp x dp x fsdp x ep x tp mesh of Auto axes (see the module docstring); axes missing from `sizes` are 1."""
+    """A pp x dp x fsdp x cp x ep x tp mesh of Auto axes (see the module docstring); axes missing from `sizes` are 1."""
     shape = tuple(sizes.get(a, 1) for a in MESH_AXES)
     if devices is None:
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))

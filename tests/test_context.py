@@ -1,0 +1,113 @@
+"""Context parallelism (the cp axis, jaxgpt/parallel/context.py): the window split over devices in
+a causally balanced order trains exactly what one device trains, with and without document masking,
+composed with fsdp, tp and pp; the compiled step gathers K/V over cp and never holds a [T, T] score
+block per device; a run resumes onto another cp. fp32 on the 8 fake CPU devices."""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from helpers import layer_loops, read_metrics, tiny_config, train_losses
+
+from jaxgpt.config import validate
+from jaxgpt.errors import UserError
+from jaxgpt.hlo import collectives
+from jaxgpt.parallel.context import balanced_order, to_device_order, to_window_order
+from jaxgpt.parallel.mesh import make_mesh, named
+from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.tokenizer import EOT_ID
+from jaxgpt.train import train
+
+MASK = ("model.document_mask=true", "model.position=rope", "model.position_reset=true")
+
+# fp32 as in test_parallel.py: layouts reorder fp32 sums only, ~1e-6 per step on a loss of ~10.8.
+LOSS_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_each_device_holds_an_early_and_a_late_chunk(cp):
+    T = 8 * cp
+    order = balanced_order(T, cp)
+    assert sorted(order) == list(range(T))
+    C = T // (2 * cp)
+    pairs = []
+    for j, held in enumerate(order.reshape(cp, 2 * C)):
+        assert list(held) == [*range(j * C, (j + 1) * C), *range((2 * cp - 1 - j) * C, (2 * cp - j) * C)]
+        pairs.append(int(np.sum(held + 1)))  # causal (query, key) pairs of this device's queries
+    assert len(set(pairs)) == 1, "every device attends over the same number of keys"
+    x = np.arange(3 * T).reshape(3, T)
+    np.testing.assert_array_equal(to_window_order(to_device_order(x, order), order), x)
+
+
+def _batch(seed: int) -> np.ndarray:
+    """16 windows of 33 tokens with documents of random lengths (some windows hold one)."""
+    rng = np.random.default_rng(seed)
+    batch = rng.integers(0, 50000, (16, 33)).astype(np.int32)
+    batch[rng.random((16, 33)) < 0.1] = EOT_ID
+    return batch
+
+
+def _steps(layout: str, devices, *overrides: str) -> list[float]:
+    """The losses of two train steps on fixed batches."""
+    cfg = tiny_config("model.n_layer=4", *overrides, mesh=layout)
+    mesh = make_mesh(validate(cfg, len(devices)), devices)
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state, step = init_state(cfg, setup), make_train_step(cfg, mesh, setup)
+        losses = []
+        for seed in range(2):
+            state, metrics = step(state, _batch(seed))
+            losses.append(float(metrics["loss"]))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {masked: _steps("dp=1", jax.devices()[:1], *(MASK if masked else ())) for masked in (False, True)}
+
+
+@pytest.mark.parametrize("layout, masked, overrides", [
+    ("cp=2,dp=4", False, ()),
+    ("cp=8", False, ()),
+    ("cp=4,dp=2", True, ()),
+    ("cp=2,fsdp=2,tp=2", True, ()),
+    ("cp=2,fsdp=2,tp=2", False, ("train.grad_accum=2",)),
+    ("pp=2,cp=2,dp=2", True, ("pipeline.repeats=2",)),
+])
+def test_layout_matches_one_device(layout, masked, overrides, one_device):
+    losses = _steps(layout, jax.devices(), *(MASK if masked else ()), *overrides)
+    np.testing.assert_allclose(losses, one_device[masked], rtol=0, atol=LOSS_ATOL)
+    assert one_device[True][0] != pytest.approx(one_device[False][0], abs=1e-3), "masking should matter here"
+
+
+def test_compiled_step_gathers_keys_and_splits_the_scores():
+    """cp=2: every layer all-gathers over cp (K and V) and its attention scores are [b, H, T/2, T]
+    per device (the queries split, the keys whole), never [b, H, T, T]."""
+    cfg = tiny_config(mesh="dp=4,cp=2")
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        batch = jax.ShapeDtypeStruct((16, 33), np.int32, sharding=named(mesh, ("batch", None)))
+        hlo = make_train_step(cfg, mesh, setup).lower(init_state(cfg, setup), batch).compile().as_text()
+    loops = layer_loops(hlo)
+    assert loops and all(collectives(body)["all-gather"] >= 2 for body in loops)
+    assert "f32[4,4,16,32]" in hlo and "f32[4,4,32,32]" not in hlo
+
+
+def test_resume_onto_another_cp_continues_the_trajectory(tmp_path, shakespeare_dir):
+    """A cp=4 run's checkpoint at step 2 resumed on cp=2 trains steps 3 and 4 as the cp=4 run did."""
+    cfg = ("train.steps=4", "checkpoint.every=2")
+    train(tiny_config(*cfg, mesh="cp=4,dp=2"), tmp_path)
+    straight = train_losses(tmp_path)
+    shutil.rmtree(tmp_path / "checkpoints" / "4")
+    train(tiny_config(*cfg, mesh="dp=4,cp=2"), tmp_path)
+    assert [r["step"] for r in read_metrics(tmp_path) if "loss" in r] == [1, 2, 3, 4]
+    np.testing.assert_allclose(train_losses(tmp_path), straight, rtol=0, atol=LOSS_ATOL)
+
+
+def test_a_window_that_does_not_split_into_2cp_chunks_is_one_line():
+    with pytest.raises(UserError, match=r"cp=4 needs model.seq_len=36 to split into 2 x cp = 8 equal chunks"):
+        validate(tiny_config("model.seq_len=36", mesh="cp=4,dp=2"), 8)
