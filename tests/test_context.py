@@ -74,7 +74,7 @@ def one_device():
     ("cp=8", False, ()),
     ("cp=4,dp=2", True, ()),
     ("cp=2,fsdp=2,tp=2", True, ()),
-    ("cp=2,fsdp=2,tp=2", False, ("train.grad_accum=2",)),
+    ("dp=2,cp=2,tp=2", False, ("train.grad_accum=2",)),
     ("pp=2,cp=2,dp=2", True, ("pipeline.repeats=2",)),
 ])
 def test_layout_matches_one_device(layout, masked, overrides, one_device):

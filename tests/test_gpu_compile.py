@@ -73,6 +73,7 @@ def compiled(h100s) -> dict[str, Compiled]:
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["documents"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
+    jobs["context"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,cp=2,tp=2"), h100s, "h100"), None
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(lambda job: job[0].compile(job[1]), jobs.values())))
 
@@ -423,3 +424,22 @@ def test_document_masking_stays_a_cudnn_flash_kernel(compiled):
     square = {shape for shape in re.findall(r"\w+\[([\d,]+)\]", text) if shape.split(",").count(str(T)) >= 2}
     assert not square, square
     assert re.search(r"f32\[16,2,96\]", text), "softmax statistics of B*M = 4*4 packed sequences"
+
+
+@needs_plugin
+def test_context_parallel_document_masking_is_a_cudnn_kernel_on_each_devices_queries(compiled):
+    """cp=2 with document masking (jaxgpt/parallel/context.py): forward and backward are cuDNN
+    fused attention of each device's 48 queries against the 96 gathered keys, the causal and
+    document mask its [b, 1, 48, 96] bias (T^2/cp per row), K and V gathered over cp inside the
+    layer loop (the backward reduce-scatters their gradients), and no array holds [T, T]."""
+    c = compiled["context"]
+    assert c.kernel == "cudnn", c.why
+    text = c.compiled.as_text()
+    counts = fused_attention_counts(text)
+    assert counts["forward"] >= 1 and counts["backward"] >= 1, counts
+    assert re.search(r"bf16\[\d+,1,48,96\]", text), "the mask as cuDNN's bias, one device's queries x all keys"
+    loops = [collectives(body) for body in while_bodies(text)]
+    assert any(n["all-gather"] >= 2 for n in loops) and any(n["reduce-scatter"] >= 1 for n in loops), loops
+    T = 96
+    square = {shape for shape in re.findall(r"\w+\[([\d,]+)\]", text) if shape.split(",").count(str(T)) >= 2}
+    assert not square, square

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgpt.parallel.context import to_device_order
 from jaxgpt.tokenizer import EOT_ID
 
 
@@ -72,7 +73,8 @@ def reordered(docs: Documents, order: np.ndarray | None) -> Documents:
     """docs with its positions in `order` (jaxgpt/parallel/context.py's device order; None: as is)."""
     if order is None:
         return docs
-    return Documents(docs.start_BT[:, order], docs.position_BT[:, order], docs.at_T[order])
+    return Documents(to_device_order(docs.start_BT, order), to_device_order(docs.position_BT, order),
+                     to_device_order(docs.at_T, order, axis=0))
 
 
 def visible(docs: Documents, key_pos_S: jax.Array) -> jax.Array:

@@ -143,7 +143,7 @@ class GPT(nnx.Module):
             if order is None:
                 x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
             else:
-                x_BTD = x_BTD + self.wpe[...][order]
+                x_BTD = x_BTD + to_device_order(self.wpe[...], order, axis=0)
         x_BTD = x_BTD.astype(dtype)
         return shard(x_BTD, "batch", "seq", "act_embed")
 

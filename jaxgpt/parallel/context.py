@@ -57,10 +57,32 @@ def device_order(T: int) -> np.ndarray | None:
 
 
 def to_device_order(x: jax.Array, order: np.ndarray | None, axis: int = 1) -> jax.Array:
-    """x with its `axis` (the window's positions) rearranged into device order."""
-    return x if order is None else jnp.take(x, order, axis=axis)
+    """x with its `axis` (the window's positions) rearranged into device order: the 2*cp chunks
+    as [cp, 2] (chunk j, then chunk 2*cp-1-j), by reshapes and one reversal rather than a gather,
+    which XLA's partitioner handles on any mesh (a gather along the cp-split axis inside the dp
+    shard_map with tp beside it aborted it)."""
+    if order is None:
+        return x
+    cp, chunks = _split(x, order, axis)
+    early, late = jnp.split(chunks, 2, axis=axis)  # [.., cp, C, ..] each
+    return jnp.stack([early, jnp.flip(late, axis=axis)], axis=axis + 1).reshape(x.shape)
 
 
 def to_window_order(x: jax.Array, order: np.ndarray | None, axis: int = 1) -> jax.Array:
     """The inverse of `to_device_order`."""
-    return x if order is None else jnp.take(x, np.argsort(order).astype(np.int32), axis=axis)
+    if order is None:
+        return x
+    cp, _ = _split(x, order, axis)
+    pairs = x.reshape(*x.shape[:axis], cp, 2, -1, *x.shape[axis + 1:])
+    early, late = (jnp.take(pairs, i, axis=axis + 1) for i in (0, 1))
+    return jnp.concatenate([early, jnp.flip(late, axis=axis)], axis=axis).reshape(x.shape)
+
+
+def _split(x: jax.Array, order: np.ndarray, axis: int) -> tuple[int, jax.Array]:
+    """(cp, x with `axis` as [2*cp, C]) for a device order of len(order) positions."""
+    T = x.shape[axis]
+    assert len(order) == T, (len(order), x.shape, axis)
+    jumps = np.flatnonzero(np.diff(order) != 1)
+    C = int(jumps[0]) + 1 if len(jumps) else T // 2  # the first chunk's length (cp = 1: no jump)
+    cp = T // (2 * C)
+    return cp, x.reshape(*x.shape[:axis], 2 * cp, C, *x.shape[axis + 1:])
