@@ -6,6 +6,7 @@ so the count is asserted rather than assumed.
 """
 
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +32,12 @@ os.environ.setdefault("JAXGPT_CACHE", tempfile.mkdtemp(prefix="jaxgpt-test-cache
 # step read back from it can deadlock its collectives (jaxgpt/parallel/distributed.py), which
 # aborted whole test workers.
 os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+# A suite started in the background of a non-interactive shell (`nohup ... &`, some CI runners)
+# inherits SIGINT ignored, and so would every process it starts: the Ctrl-C tests would then test
+# nothing (a child Python keeps an inherited SIG_IGN). Python's own handler here is reset to the
+# default action in every child at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
