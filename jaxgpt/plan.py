@@ -320,7 +320,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
         from jaxgpt.gpu import cost, perf
         from jaxgpt.metrics import flops_per_token
         predicted = cost.estimate(text, perf.perf(target, gpus_per_node), len(devices), cfg.train.batch_size * cfg.model.seq_len,
-                                  flops_per_token(cfg.model))
+                                  flops_per_token(cfg.model), mesh=sizes)
     params = per_device_bytes(state.params)
     if device_memory_bytes is None:
         device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(local_device(devices))

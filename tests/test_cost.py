@@ -340,3 +340,16 @@ def test_collective_costs_are_within_20_percent_of_published_nccl_tests_bus_band
     assert whole_nodes and all(min(r["error"]) > 1.0 for r in whole_nodes)  # predicted >2x the published time
     assert [r["error"] for r in check.table("h200")] == [r["error"] for r in rows]  # the same links
     assert "busbw" in check.format_table(rows).splitlines()[0]
+
+
+@pytest.mark.parametrize("groups, mesh, axes", [
+    ("replica_groups={{0,2},{1,3}}", {"dp": 2, "tp": 2}, "dp"),
+    ("replica_groups=[4,2]<=[8]", {"dp": 4, "cp": 2}, "cp"),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", {"dp": 4, "cp": 2}, "dp"),
+    ("replica_groups={}", {"dp": 2, "cp": 2, "tp": 2}, "dp+cp+tp"),
+    ("replica_groups=mesh['pp'=1,'dp'=2,'cp'=2,'tp'=2] {'tp','cp'}", {"pp": 1, "dp": 2, "cp": 2, "tp": 2}, "cp+tp"),
+    ("source_target_pairs={{0,4},{4,0}}", {"pp": 2, "dp": 4}, "pp"),
+])
+def test_a_collective_is_attributed_to_the_mesh_axes_its_group_spans(groups, mesh, axes):
+    line = f"  %ag = f32[16]{{0}} all-gather(f32[8]{{0}} %x), channel_id=1, {groups}, dimensions={{0}}"
+    assert cost.mesh_axes(line, 8, mesh) == axes

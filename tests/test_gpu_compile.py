@@ -25,6 +25,7 @@ import pytest
 from helpers import REPO, TINY, tiny_config
 
 from jaxgpt.config import load_config
+from jaxgpt.gpu import cost, perf
 from jaxgpt.gpu.target import INSTALL, compile_only_devices, device_memory_bytes, plugin_missing_reason
 from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts,
                         gemm_layers, while_bodies)
@@ -440,6 +441,8 @@ def test_context_parallel_document_masking_is_a_cudnn_kernel_on_each_devices_que
     assert re.search(r"bf16\[\d+,1,48,96\]", text), "the mask as cuDNN's bias, one device's queries x all keys"
     loops = [collectives(body) for body in while_bodies(text)]
     assert any(n["all-gather"] >= 2 for n in loops) and any(n["reduce-scatter"] >= 1 for n in loops), loops
+    by_axes = cost.estimate(text, perf.perf("h100"), 8, mesh=c.sizes)["collectives_by_axes"]
+    assert by_axes["cp"]["seconds"] > 0 and by_axes["cp"]["bytes"] > 0, by_axes  # what `plan` prints per axis
     T = 96
     square = {shape for shape in re.findall(r"\w+\[([\d,]+)\]", text) if shape.split(",").count(str(T)) >= 2}
     assert not square, square

@@ -110,6 +110,7 @@ class Kernel(NamedTuple):
     flops: float      # per execution
     bytes: float      # per execution
     seconds: float    # per execution, launch included
+    axes: str = ""    # a collective's mesh axes ('cp', 'fsdp+tp'; '?' unread), when the mesh is known
 
 
 def _balanced(text: str, start: int) -> int:
@@ -259,10 +260,10 @@ def _called(line: str) -> list[str]:
 
 
 class _Walker:
-    def __init__(self, text: str, p: Perf, n_devices: int):
+    def __init__(self, text: str, p: Perf, n_devices: int, mesh: dict[str, int] | None = None):
         self.comps, self.entry = parse_module(text)
         self.texts = hlo.hlo_computations(text)
-        self.p, self.n_devices = p, n_devices
+        self.p, self.n_devices, self.mesh = p, n_devices, mesh
         self.kernels: list[Kernel] = []
         self.unknown_trips: list[str] = []
         # async collectives started and not yet done: name -> [seconds left per execution, executions]
@@ -336,13 +337,15 @@ class _Walker:
             if op.endswith("-start") and i.shape.startswith("(("):  # ((inputs), outputs): the outputs
                 result = i.shape[_balanced(i.shape, 1):]
             wire = hlo.shape_bytes(result) * hlo._WIRE[kind](n) if n > 1 else 0.0
+            axes = mesh_axes(i.line, self.n_devices, self.mesh) if self.mesh else ""
             if n <= 1:
-                return Kernel(i.name, COLLECTIVE, times, 0.0, 0.0, p.launch_seconds)
+                return Kernel(i.name, COLLECTIVE, times, 0.0, 0.0, p.launch_seconds, axes)
             across = spans_nodes(i.line, self.n_devices, p.gpus_per_node)
             bandwidth, latency = ((p.network_bytes_per_s, p.network_latency_seconds) if across
                                   else (p.link_bytes_per_s, p.link_latency_seconds))
             steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
-            return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds)
+            return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds,
+                          axes)
         if op == "custom-call":
             target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
             nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
@@ -422,6 +425,34 @@ def replica_groups(line: str, n_devices: int) -> list[list[int]] | None:
     return None
 
 
+def mesh_axes(line: str, n_devices: int, mesh: dict[str, int]) -> str:
+    """The mesh axes a collective talks over, '+'-joined in mesh order ('cp', 'fsdp+tp'): those
+    along which the devices of its first replica group (or first source-target pair) differ.
+    Device ids are positions in the mesh's device order, as XLA numbers partitions; '?' where the
+    groups are in a form not read here."""
+    if m := re.search(r"replica_groups=mesh\[[^\]]*\](?:, device_ids=\S+)? \{([^}]*)\}", line):  # names its axes
+        named = set(re.findall(r"'([^']+)'", m.group(1)))
+        return "+".join(a for a in mesh if a in named) or "none"
+    if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
+        group = [int(m.group(1)), int(m.group(2))]
+    else:
+        groups = replica_groups(line, n_devices)
+        if not groups:
+            return "?"
+        group = groups[0]
+    names, sizes = list(mesh), list(mesh.values())
+
+    def coords(d: int) -> list[int]:
+        out = []
+        for size in reversed(sizes):
+            d, r = divmod(d, size)
+            out.append(r)
+        return out[::-1]
+
+    at = [coords(d) for d in group]
+    return "+".join(a for k, a in enumerate(names) if len({c[k] for c in at}) > 1) or "none"
+
+
 def _indices(dims: list[int]) -> list[tuple[int, ...]]:
     """Every index of an array of shape dims, in row-major order."""
     out: list[tuple[int, ...]] = [()]
@@ -449,11 +480,12 @@ def kernels(text: str, p: Perf, n_devices: int = 1) -> tuple[list[Kernel], list[
 
 
 def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None = None,
-             model_flops_per_token: float | None = None) -> dict[str, Any]:
+             model_flops_per_token: float | None = None, mesh: dict[str, int] | None = None) -> dict[str, Any]:
     """The predicted step: seconds, the kernels grouped (GROUPS), the costliest kernels, and with
     tokens_per_step / model_flops_per_token (jaxgpt.metrics.flops_per_token) tokens/s and MFU
-    against the device's bf16 peak (per device: tokens_per_step is the global batch)."""
-    w = _Walker(text, p, n_devices)
+    against the device's bf16 peak (per device: tokens_per_step is the global batch). With the
+    `mesh` (axis -> size, in mesh order), the collectives' time and wire bytes per mesh axis."""
+    w = _Walker(text, p, n_devices, mesh)
     if w.entry:
         w.visit(w.entry, 1, 0)
     ks, unknown = w.kernels, w.unknown_trips
@@ -471,12 +503,25 @@ def estimate(text: str, p: Perf, n_devices: int = 1, tokens_per_step: int | None
                             "ms_per_step": 1e3 * k.seconds * k.times, "flops": k.flops, "bytes": k.bytes} for k in top],
            "unknown_trip_counts": sorted(set(unknown)), "tokens_per_sec": None, "mfu": None,
            "collectives_hidden_seconds": w.hidden_seconds,
-           "collectives_exposed_seconds": groups[COLLECTIVE]["seconds"] - w.hidden_seconds}
+           "collectives_exposed_seconds": groups[COLLECTIVE]["seconds"] - w.hidden_seconds,
+           "collectives_by_axes": _by_axes(ks) if mesh else {}}
     if tokens_per_step and total:
         out["tokens_per_sec"] = tokens_per_step / total
         if model_flops_per_token:
             out["mfu"] = out["tokens_per_sec"] * model_flops_per_token / (n_devices * p.peak_flops)
     return out
+
+
+def _by_axes(ks: list[Kernel]) -> dict[str, dict[str, float]]:
+    """Collective seconds (before overlap), wire bytes and launches per step by mesh axes, costliest first."""
+    out: dict[str, dict[str, float]] = collections.defaultdict(lambda: {"seconds": 0.0, "bytes": 0.0, "launches": 0})
+    for k in ks:
+        if k.group == COLLECTIVE and k.axes not in ("", "none"):
+            row = out[k.axes]
+            row["seconds"] += k.seconds * k.times
+            row["bytes"] += k.bytes * k.times
+            row["launches"] += k.times
+    return dict(sorted(out.items(), key=lambda item: -item[1]["seconds"]))
 
 
 def format_estimate(e: dict[str, Any]) -> str:
@@ -493,6 +538,10 @@ def format_estimate(e: dict[str, Any]) -> str:
     if e["groups"][COLLECTIVE]["launches"]:
         lines.append(f"collectives: {1e3 * e['collectives_hidden_seconds']:,.1f} ms of them overlap compute in "
                      f"XLA's schedule (not in the step time), {1e3 * e['collectives_exposed_seconds']:,.1f} ms exposed")
+    if e.get("collectives_by_axes"):
+        lines.append("collectives by mesh axis (before overlap): " + "; ".join(
+            f"{axes} {1e3 * row['seconds']:,.1f} ms ({100 * row['seconds'] / e['step_seconds']:.1f}% of the step), "
+            f"{row['bytes'] / 1e9:,.1f} GB sent" for axes, row in e["collectives_by_axes"].items()))
     if e["unknown_trip_counts"]:
         lines.append(f"warning: loop trip count unreadable ({', '.join(e['unknown_trip_counts'])}): counted once")
     return "\n".join(lines)
