@@ -353,3 +353,11 @@ def test_collective_costs_are_within_20_percent_of_published_nccl_tests_bus_band
 def test_a_collective_is_attributed_to_the_mesh_axes_its_group_spans(groups, mesh, axes):
     line = f"  %ag = f32[16]{{0}} all-gather(f32[8]{{0}} %x), channel_id=1, {groups}, dimensions={{0}}"
     assert cost.mesh_axes(line, 8, mesh) == axes
+
+
+def test_the_partitioners_own_mesh_names_map_onto_ours():
+    """XLA's partitioner may write its mesh of the non-trivial axes as 'axis_0', 'axis_1', ..."""
+    line = "%ag = all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={1}"
+    assert cost.mesh_axes(line, 8, {"pp": 1, "dp": 1, "fsdp": 2, "cp": 4, "tp": 1}) == "cp"
+    line = "%ag = all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, dimensions={1}"
+    assert cost.mesh_axes(line, 8, {"pp": 1, "dp": 1, "fsdp": 2, "cp": 4, "tp": 1}) == "fsdp"

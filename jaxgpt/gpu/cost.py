@@ -430,16 +430,15 @@ def mesh_axes(line: str, n_devices: int, mesh: dict[str, int]) -> str:
     along which the devices of its first replica group (or first source-target pair) differ.
     Device ids are positions in the mesh's device order, as XLA numbers partitions; '?' where the
     groups are in a form not read here."""
-    if m := re.search(r"replica_groups=mesh\[[^\]]*\](?:, device_ids=\S+)? \{([^}]*)\}", line):  # names its axes
-        named = set(re.findall(r"'([^']+)'", m.group(1)))
-        return "+".join(a for a in mesh if a in named) or "none"
-    if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=(\S+))? \{([^}]*)\}", line):
+        group = _mesh_form_group(m.group(1), m.group(2), m.group(3))
+    elif m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
         group = [int(m.group(1)), int(m.group(2))]
     else:
         groups = replica_groups(line, n_devices)
-        if not groups:
-            return "?"
-        group = groups[0]
+        group = groups[0] if groups else None
+    if group is None:
+        return "?"
     names, sizes = list(mesh), list(mesh.values())
 
     def coords(d: int) -> list[int]:
@@ -451,6 +450,23 @@ def mesh_axes(line: str, n_devices: int, mesh: dict[str, int]) -> str:
 
     at = [coords(d) for d in group]
     return "+".join(a for k, a in enumerate(names) if len({c[k] for c in at}) > 1) or "none"
+
+
+def _mesh_form_group(axes: str, device_ids: str | None, named: str) -> list[int] | None:
+    """The first group of `replica_groups=mesh['a'=2,'b'=4] {'b'}`: the devices along the named
+    axes of XLA's own mesh (its names need not be ours: the partitioner writes 'axis_0', ...),
+    the others at 0; through `device_ids=[...]` where given."""
+    sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", axes)]
+    along = set(re.findall(r"'([^']+)'", named))
+    strides = [math.prod(n for _, n in sizes[k + 1:]) for k in range(len(sizes))]
+    group = [sum(i * strides[k] for k, i in enumerate(idx))
+             for idx in _indices([n if a in along else 1 for a, n in sizes])]
+    if device_ids:
+        ids = [int(x) for x in re.findall(r"\d+", device_ids)]
+        if len(ids) != math.prod(n for _, n in sizes):
+            return None
+        group = [ids[g] for g in group]
+    return group
 
 
 def _indices(dims: list[int]) -> list[tuple[int, ...]]:
