@@ -21,6 +21,13 @@ that never holds [T, T] scores. JAX's public `jax.nn.dot_product_attention` does
 offsets on, so this calls the function behind it; its packed layout needs a Hopper GPU (compute
 capability 9.0), which `cudnn_unavailable_reason` checks.
 
+Context parallelism (the cp mesh axis, jaxgpt/parallel/context.py) splits the queries' positions
+over devices in a balanced order that is not the window's, so neither kernel may use its built-in
+causal mask there: `_context_parallel` masks by each index's true position (`Documents.at_T`). XLA's
+kernel gets K and V gathered whole by a sharding constraint; cuDNN's runs per device on its own
+queries against K and V gathered inside the per-device function (`_cudnn_context`, its mask the
+kernel's bias operand).
+
 Grouped-query attention needs nothing here: k and v arrive with G <= H heads, query head h reading
 kv head h // (H/G), and both kernels take them as they are (XLA's reshapes q to [B, T, G, H/G, K];
 cuDNN takes fewer kv heads natively), so the repeated K/V are never materialised.
