@@ -109,5 +109,5 @@ def test_resume_onto_another_cp_continues_the_trajectory(tmp_path, shakespeare_d
 
 
 def test_a_window_that_does_not_split_into_2cp_chunks_is_one_line():
-    with pytest.raises(UserError, match=r"cp=4 needs model.seq_len=36 to split into 2 x cp = 8 equal chunks"):
-        validate(tiny_config("model.seq_len=36", mesh="cp=4,dp=2"), 8)
+    with pytest.raises(UserError, match=r"cp=8 needs model.seq_len=40 to split into 2 x cp = 16 equal chunks"):
+        validate(tiny_config("model.seq_len=40", mesh="cp=8"), 8)

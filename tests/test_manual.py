@@ -29,11 +29,14 @@ def _loss_and_grads(attention, q, k, v):
 
 
 def test_spec_follows_the_table_and_drops_manual_and_uneven_axes():
-    mesh = make_mesh({"dp": 2, "fsdp": 2, "tp": 2})  # ep=1: kept in the specs, it splits nothing
-    assert spec_for((8, 16, 4, 8), AXES, mesh, set()) == P(("dp", "fsdp", "ep"), None, "tp", None)
-    assert spec_for((8, 16, 4, 8), AXES, mesh, {"dp"}) == P(("fsdp", "ep"), None, "tp", None)
-    assert spec_for((1, 16, 4, 8), AXES, mesh, set()) == P("ep", None, "tp", None)  # a batch of one sample
-    assert spec_for((2, 16, 3, 8), AXES, mesh, set()) == P(("dp", "ep"), None, None, None)
+    mesh = make_mesh({"dp": 2, "fsdp": 2, "tp": 2})  # ep=1, cp=1: kept in the specs, they split nothing
+    assert spec_for((8, 16, 4, 8), AXES, mesh, set()) == P(("dp", "fsdp", "ep"), "cp", "tp", None)
+    assert spec_for((8, 16, 4, 8), AXES, mesh, {"dp"}) == P(("fsdp", "ep"), "cp", "tp", None)
+    assert spec_for((1, 16, 4, 8), AXES, mesh, set()) == P("ep", "cp", "tp", None)  # a batch of one sample
+    assert spec_for((2, 16, 3, 8), AXES, mesh, set()) == P(("dp", "ep"), "cp", None, None)
+    mesh = make_mesh({"dp": 2, "cp": 2, "tp": 2})
+    assert spec_for((8, 16, 4, 8), AXES, mesh, set()) == P(("dp", "fsdp", "ep"), "cp", "tp", None)
+    assert spec_for((8, 15, 4, 8), AXES, mesh, set()) == P(("dp", "fsdp", "ep"), None, "tp", None)  # uneven T
 
 
 @pytest.mark.parametrize("layout", [{"dp": 2, "fsdp": 2, "tp": 2}, {"dp": 8, "fsdp": 1, "tp": 1}])

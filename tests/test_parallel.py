@@ -100,7 +100,7 @@ def test_optimizer_state_follows_parameter_sharding():
 
 
 def test_logical_axes_cannot_reuse_a_mesh_axis():
-    assert logical_to_spec(("batch", "seq", "act_vocab")) == jax.sharding.PartitionSpec(("dp", "fsdp", "ep"), None, "tp")
+    assert logical_to_spec(("batch", "seq", "act_vocab")) == jax.sharding.PartitionSpec(("dp", "fsdp", "ep"), "cp", "tp")
     with pytest.raises(ValueError, match="both map to mesh axis"):
         logical_to_spec(("batch", "embed"))
 
