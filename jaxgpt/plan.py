@@ -165,7 +165,8 @@ def activation_floor(cfg: Config, sizes: dict[str, int]) -> int:
     model.remat=full). check_memory holds the run to this before compiling: XLA:CPU's compiler
     itself crashed (SIGFPE) on a step of a billion tokens a micro-batch."""
     m, t = cfg.model, cfg.train
-    tokens = t.batch_size // t.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"]) * m.seq_len
+    rows = t.batch_size // t.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])
+    tokens = rows * (m.seq_len // sizes.get("cp", 1))  # cp splits each sequence
     return tokens * m.n_embd * (m.n_layer // sizes["pp"] or 1) * 2
 
 
