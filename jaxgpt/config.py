@@ -562,6 +562,10 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
             raise UserError(f"the ep axis ({sizes['ep']}) does not divide model.moe_experts={m.moe_experts}")
         if m.n_layer % m.moe_every:
             raise UserError(f"model.moe_every={m.moe_every} does not divide model.n_layer={m.n_layer}")
+        if sizes["cp"] > 1 and m.moe_dispatch == "capacity":
+            raise UserError("cp reorders each window's tokens (an early and a late chunk per device), which changes "
+                            "which tokens model.moe_dispatch=capacity drops when an expert overflows; use "
+                            "model.moe_dispatch=dropless with cp")
         if m.moe_dispatch == "dropless" and m.fp8_linears() & {"expert_in", "expert_gate", "expert_out"}:
             raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
                             "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")

@@ -83,6 +83,21 @@ def test_layout_matches_one_device(layout, masked, overrides, one_device):
     assert one_device[True][0] != pytest.approx(one_device[False][0], abs=1e-3), "masking should matter here"
 
 
+MOE = ("model.moe_experts=8", "model.moe_top_k=2", "model.moe_dispatch=dropless")
+
+
+def test_experts_under_cp_and_ep_match_one_device():
+    """Dropless MoE: every token reaches its experts whatever order cp puts it in."""
+    np.testing.assert_allclose(_steps("cp=2,ep=4", jax.devices(), *MOE), _steps("dp=1", jax.devices()[:1], *MOE),
+                               rtol=0, atol=LOSS_ATOL)
+
+
+def test_capacity_dispatch_under_cp_is_refused_in_one_line():
+    """Which tokens an overflowing expert drops follows the order cp changes: not the same model."""
+    with pytest.raises(UserError, match="use model.moe_dispatch=dropless with cp"):
+        validate(tiny_config("model.moe_experts=8", "model.moe_top_k=2", mesh="cp=2,ep=4"), 8)
+
+
 def test_compiled_step_gathers_keys_and_splits_the_scores():
     """cp=2: every layer all-gathers over cp (K and V) and its attention scores are [b, H, T/2, T]
     per device (the queries split, the keys whole), never [b, H, T, T]."""
