@@ -54,8 +54,8 @@ from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
 from jaxgpt.model.positions import rope
 from jaxgpt.parallel.context import ways as cp_ways
 from jaxgpt.parallel.manual import per_shard
-from jaxgpt.parallel.pipeline import vary
 from jaxgpt.parallel.mesh import shard
+from jaxgpt.parallel.pipeline import vary
 
 KERNELS = ("auto", "xla", "cudnn")
 
@@ -149,7 +149,7 @@ def _cudnn_context_fwd(q_BTHK, k_BTGK, v_BTGK, start_BT, at_T):
 
 
 def _cudnn_context_bwd(res, d_out_BTHK):
-    q_BTHK, k_BTGK, v_BTGK, start_BT, at_T = res
+    """(dq, dk, dv, None, None): res holds the forward's inputs (q, k, v, start, at)."""
     grads = per_shard(_local_context_grads, _HEADS, *res, d_out_BTHK, arg_axes=(*_CONTEXT_AXES, _HEADS))
     manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)  # the step's (dp): as the primals vary
     return (*(vary(g, manual) for g in grads), None, None)
