@@ -71,7 +71,7 @@ from jaxgpt.model.documents import window_stats
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
-from jaxgpt.parallel.context import device_order, to_window_order
+from jaxgpt.parallel.context import balanced_ways, to_window_order
 from jaxgpt.parallel.mesh import named, shard
 from jaxgpt.tokenizer import token_bytes
 
@@ -229,7 +229,7 @@ def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array
     y_nbTD = pipeline.scatter_outputs(y_MbTD)
     labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
-    y_nbTD = to_window_order(y_nbTD, device_order(T1 - 1), axis=2)  # from context parallelism's order, if any
+    y_nbTD = to_window_order(y_nbTD, balanced_ways(T1 - 1), axis=2)  # from context parallelism's order, if any
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
     return x_BTD, labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
 

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.config import load_config, validate
 from jaxgpt.hlo import while_bodies
 from jaxgpt.parallel.mesh import make_mesh
-from jaxgpt.step import abstract_state, make_setup
+from jaxgpt.step import abstract_state, init_state, make_setup, make_train_step
+from jaxgpt.tokenizer import EOT_ID
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,3 +79,24 @@ def restore_run(run_dir: Path, cfg, devices=None):
         restored = ckpt.restore_latest(abstract_state(cfg, setup))
         ckpt.close()
     return restored, setup
+
+
+def packed_batch(seed: int = 0) -> np.ndarray:
+    """16 windows of 33 tokens with documents of random lengths (some windows hold one)."""
+    rng = np.random.default_rng(seed)
+    batch = rng.integers(0, 50000, (16, 33)).astype(np.int32)
+    batch[rng.random((16, 33)) < 0.1] = EOT_ID
+    return batch
+
+
+def step_metrics(cfg, devices, steps: int = 2) -> list[dict]:
+    """The metrics of `steps` train steps of cfg on `devices`, from fresh init, on packed_batch(0), (1), ..."""
+    mesh = make_mesh(validate(cfg, len(devices)), devices)
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state, step = init_state(cfg, setup), make_train_step(cfg, mesh, setup)
+        out = []
+        for seed in range(steps):
+            state, metrics = step(state, packed_batch(seed))
+            out.append(jax.device_get(metrics))
+    return out

@@ -10,15 +10,14 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from helpers import layer_loops, read_metrics, tiny_config, train_losses
+from helpers import layer_loops, read_metrics, step_metrics, tiny_config, train_losses
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
-from jaxgpt.parallel.context import balanced_order, to_device_order, to_window_order
+from jaxgpt.parallel.context import to_device_order, to_window_order
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
-from jaxgpt.tokenizer import EOT_ID
 from jaxgpt.train import train
 
 MASK = ("model.document_mask=true", "model.position=rope", "model.position_reset=true")
@@ -30,7 +29,7 @@ LOSS_ATOL = 1e-4
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_each_device_holds_an_early_and_a_late_chunk(cp):
     T = 8 * cp
-    order = balanced_order(T, cp)
+    order = np.asarray(to_device_order(np.arange(T), cp, axis=0))  # the window position at each index
     assert sorted(order) == list(range(T))
     C = T // (2 * cp)
     pairs = []
@@ -39,29 +38,12 @@ def test_each_device_holds_an_early_and_a_late_chunk(cp):
         pairs.append(int(np.sum(held + 1)))  # causal (query, key) pairs of this device's queries
     assert len(set(pairs)) == 1, "every device attends over the same number of keys"
     x = np.arange(3 * T).reshape(3, T)
-    np.testing.assert_array_equal(to_window_order(to_device_order(x, order), order), x)
-
-
-def _batch(seed: int) -> np.ndarray:
-    """16 windows of 33 tokens with documents of random lengths (some windows hold one)."""
-    rng = np.random.default_rng(seed)
-    batch = rng.integers(0, 50000, (16, 33)).astype(np.int32)
-    batch[rng.random((16, 33)) < 0.1] = EOT_ID
-    return batch
+    np.testing.assert_array_equal(to_window_order(to_device_order(x, cp), cp), x)
 
 
 def _steps(layout: str, devices, *overrides: str) -> list[float]:
-    """The losses of two train steps on fixed batches."""
-    cfg = tiny_config("model.n_layer=4", *overrides, mesh=layout)
-    mesh = make_mesh(validate(cfg, len(devices)), devices)
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        state, step = init_state(cfg, setup), make_train_step(cfg, mesh, setup)
-        losses = []
-        for seed in range(2):
-            state, metrics = step(state, _batch(seed))
-            losses.append(float(metrics["loss"]))
-    return losses
+    """The losses of two train steps on fixed batches of packed documents."""
+    return [float(m["loss"]) for m in step_metrics(tiny_config("model.n_layer=4", *overrides, mesh=layout), devices)]
 
 
 @pytest.fixture(scope="module")

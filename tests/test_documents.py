@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_config
+from helpers import packed_batch, step_metrics, tiny_config
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
@@ -19,7 +19,7 @@ from jaxgpt.model import GPT
 from jaxgpt.model.documents import documents, packed_segments, window_stats
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.sample import generate, shard_params
-from jaxgpt.step import init_state, loss_fn, make_eval_step, make_setup, make_train_step
+from jaxgpt.step import init_state, loss_fn, make_eval_step, make_setup
 from jaxgpt.tokenizer import EOT_ID
 
 MASK = ("model.document_mask=true",)
@@ -113,17 +113,9 @@ def _pad(tokens_BT: np.ndarray, T: int = 32) -> np.ndarray:
     return np.pad(tokens_BT, ((0, 0), (0, T - tokens_BT.shape[1])))
 
 
-def _batch(seed: int = 0) -> np.ndarray:
-    """16 windows of 33 tokens with documents of random lengths (some windows hold one)."""
-    rng = np.random.default_rng(seed)
-    batch = rng.integers(0, 50000, (16, 33)).astype(np.int32)
-    batch[rng.random((16, 33)) < 0.1] = EOT_ID
-    return batch
-
-
 def test_val_loss_and_bits_per_byte_agree_with_the_training_forward():
     cfg = tiny_config(*ROPE)
-    batch = _batch()
+    batch = packed_batch()
     mesh = make_mesh(validate(cfg, 1), jax.devices()[:1])
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)
@@ -167,16 +159,7 @@ LOSS_ATOL = 1e-4
 
 
 def _steps(layout: str, devices, *overrides: str) -> list[dict]:
-    cfg = tiny_config(*ROPE, "model.n_layer=4", *overrides, mesh=layout)
-    mesh = make_mesh(validate(cfg, len(devices)), devices)
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        state, step = init_state(cfg, setup), make_train_step(cfg, mesh, setup)
-        out = []
-        for seed in range(2):
-            state, metrics = step(state, _batch(seed))
-            out.append(jax.device_get(metrics))
-    return out
+    return step_metrics(tiny_config(*ROPE, "model.n_layer=4", *overrides, mesh=layout), devices)
 
 
 @pytest.fixture(scope="module")

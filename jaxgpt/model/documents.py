@@ -35,7 +35,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgpt.parallel.context import to_device_order
 from jaxgpt.tokenizer import EOT_ID
@@ -69,12 +68,10 @@ def whole_windows(B: int, T: int) -> Documents:
     return Documents(jnp.zeros((B, T), jnp.int32), jnp.broadcast_to(at_T, (B, T)), at_T)
 
 
-def reordered(docs: Documents, order: np.ndarray | None) -> Documents:
-    """docs with its positions in `order` (jaxgpt/parallel/context.py's device order; None: as is)."""
-    if order is None:
-        return docs
-    return Documents(to_device_order(docs.start_BT, order), to_device_order(docs.position_BT, order),
-                     to_device_order(docs.at_T, order, axis=0))
+def reordered(docs: Documents, cp: int) -> Documents:
+    """docs in the device order of `cp` devices (jaxgpt/parallel/context.py; 1: as is)."""
+    return Documents(to_device_order(docs.start_BT, cp), to_device_order(docs.position_BT, cp),
+                     to_device_order(docs.at_T, cp, axis=0))
 
 
 def visible(docs: Documents, key_pos_S: jax.Array) -> jax.Array:

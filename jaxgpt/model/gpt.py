@@ -74,7 +74,7 @@ from jaxgpt.model.documents import Documents, documents, reordered, whole_window
 from jaxgpt.model.layers import STD, Norm, param
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.model.remat import REMAT_POLICIES
-from jaxgpt.parallel.context import device_order, to_device_order, to_window_order, ways as cp_ways
+from jaxgpt.parallel.context import balanced_ways, to_device_order, to_window_order, ways as cp_ways
 from jaxgpt.parallel.mesh import shard
 
 
@@ -127,7 +127,7 @@ class GPT(nnx.Module):
             return self._logits(x_BTD[:, -1:], dtype), KVCache(kv.k, kv.v, cache.pos + T, doc_start)
 
         x_BTD, stats = self.run_blocks(x_BTD, docs)
-        x_BTD = to_window_order(x_BTD, device_order(T))  # from context parallelism's order, if any
+        x_BTD = to_window_order(x_BTD, balanced_ways(T))  # from context parallelism's order, if any
         out = self.ln_f(x_BTD) if features_only else self._logits(x_BTD, dtype)
         if with_moe_stats:
             zero = jnp.zeros((), jnp.float32)
@@ -137,13 +137,13 @@ class GPT(nnx.Module):
     def embed(self, tokens_BT: jax.Array, dtype: jnp.dtype, pos: jax.Array | int = 0) -> jax.Array:
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`;
         training under context parallelism, in its device order (jaxgpt/parallel/context.py)."""
-        order = device_order(tokens_BT.shape[1]) if isinstance(pos, int) and pos == 0 else None
-        x_BTD = lookup_table(self.wte[...])[to_device_order(tokens_BT, order)]
+        cp = balanced_ways(tokens_BT.shape[1]) if isinstance(pos, int) and pos == 0 else 1
+        x_BTD = lookup_table(self.wte[...])[to_device_order(tokens_BT, cp)]
         if self.cfg.position == "learned":
-            if order is None:
+            if cp == 1:
                 x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
             else:
-                x_BTD = x_BTD + to_device_order(self.wpe[...], order, axis=0)
+                x_BTD = x_BTD + to_device_order(self.wpe[...], cp, axis=0)
         x_BTD = x_BTD.astype(dtype)
         return shard(x_BTD, "batch", "seq", "act_embed")
 
@@ -153,10 +153,10 @@ class GPT(nnx.Module):
         Training under context parallelism: always, in its device order (the mask reads them)."""
         if cache is not None:
             return documents(tokens_BT, cache.pos, cache.doc_start) if self.cfg.document_mask else None
-        order = device_order(tokens_BT.shape[1])
+        cp = balanced_ways(tokens_BT.shape[1])
         if self.cfg.document_mask:
-            return reordered(documents(tokens_BT), order)
-        return reordered(whole_windows(*tokens_BT.shape), order) if cp_ways() > 1 else None
+            return reordered(documents(tokens_BT), cp)
+        return reordered(whole_windows(*tokens_BT.shape), cp) if cp_ways() > 1 else None
 
     def run_blocks(self, x_BTD: jax.Array, docs: Documents | None = None) -> tuple[jax.Array, MoEStats | None]:
         """The stacked blocks (training, no cache), however many this module holds: all of them, or

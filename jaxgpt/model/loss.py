@@ -92,8 +92,7 @@ def chunk_positions(cfg: ModelConfig, rows_per_device: int, T: int | None = None
     the sequences each device holds; a loss_chunk that does not divide a shorter T (evaluation's
     length buckets) falls back to the auto rule."""
     T = T or cfg.seq_len
-    w = splits("seq")  # context parallelism: a chunk takes t/w positions on each device
-    w = w if T % w == 0 else 1
+    w = _seq_ways(T, T)  # context parallelism: a chunk takes t/w positions on each device
     if cfg.loss_chunk and T % cfg.loss_chunk == 0 and cfg.loss_chunk % w == 0:
         return cfg.loss_chunk
     platform = target_device().platform

@@ -17,8 +17,9 @@ number of unmasked (query, key) blocks, 2*cp+1 chunk pairs). cp=2, T=8:
     window order   0 1 | 2 3 | 4 5 | 6 7        chunks 0 1 2 3
     device order   0 1 6 7 | 2 3 4 5            device 0: chunks 0, 3; device 1: chunks 1, 2
 
-The model runs in device order from the embedding to the last block (`device_order` gives the
-absolute position of each index, which the position embedding, RoPE and the attention mask read)
+The model runs in device order from the embedding to the last block (`to_device_order` of the
+positions gives each index's absolute position, which the position embedding, RoPE and the
+attention mask read)
 and returns to window order before the final norm (`to_window_order`), so the loss, evaluation
 and sampling see the window as it was. Both reorderings move one [B, T, ...] array per forward.
 A window that 2*cp does not divide keeps the window order (still split over cp; correct, not
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxgpt.parallel.mesh import splits
 
@@ -43,46 +43,29 @@ def ways() -> int:
     return splits("seq")
 
 
-def balanced_order(T: int, cp: int) -> np.ndarray:
-    """[T] int32: the window position held at each index of device order (module docstring)."""
-    chunks = np.arange(T, dtype=np.int32).reshape(2 * cp, T // (2 * cp))
-    return np.concatenate([np.concatenate([chunks[j], chunks[2 * cp - 1 - j]]) for j in range(cp)])
-
-
-def device_order(T: int) -> np.ndarray | None:
-    """The position of each index in device order for a window of T under the current mesh, or
-    None where the window keeps its order (no cp, or 2*cp does not divide T)."""
+def balanced_ways(T: int) -> int:
+    """The cp devices a window of T is reordered for under the current mesh (module docstring), or
+    1 where it keeps its order (no cp, or 2*cp does not divide T)."""
     cp = ways()
-    return balanced_order(T, cp) if cp > 1 and T % (2 * cp) == 0 else None
+    return cp if cp > 1 and T % (2 * cp) == 0 else 1
 
 
-def to_device_order(x: jax.Array, order: np.ndarray | None, axis: int = 1) -> jax.Array:
-    """x with its `axis` (the window's positions) rearranged into device order: the 2*cp chunks
-    as [cp, 2] (chunk j, then chunk 2*cp-1-j), by reshapes and one reversal rather than a gather,
-    which XLA's partitioner handles on any mesh (a gather along the cp-split axis inside the dp
-    shard_map with tp beside it aborted it)."""
-    if order is None:
+def to_device_order(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
+    """x with its `axis` (the window's positions) rearranged into the device order of `cp` devices
+    (1: as is): the 2*cp chunks as [cp, 2] (chunk j, then chunk 2*cp-1-j), by reshapes and one
+    reversal rather than a gather, which XLA's partitioner handles on any mesh (a gather along the
+    cp-split axis inside the dp shard_map with tp beside it aborted it)."""
+    if cp == 1:
         return x
-    cp, chunks = _split(x, order, axis)
+    chunks = x.reshape(*x.shape[:axis], 2 * cp, -1, *x.shape[axis + 1:])
     early, late = jnp.split(chunks, 2, axis=axis)  # [.., cp, C, ..] each
     return jnp.stack([early, jnp.flip(late, axis=axis)], axis=axis + 1).reshape(x.shape)
 
 
-def to_window_order(x: jax.Array, order: np.ndarray | None, axis: int = 1) -> jax.Array:
+def to_window_order(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
     """The inverse of `to_device_order`."""
-    if order is None:
+    if cp == 1:
         return x
-    cp, _ = _split(x, order, axis)
     pairs = x.reshape(*x.shape[:axis], cp, 2, -1, *x.shape[axis + 1:])
     early, late = (jnp.take(pairs, i, axis=axis + 1) for i in (0, 1))
     return jnp.concatenate([early, jnp.flip(late, axis=axis)], axis=axis).reshape(x.shape)
-
-
-def _split(x: jax.Array, order: np.ndarray, axis: int) -> tuple[int, jax.Array]:
-    """(cp, x with `axis` as [2*cp, C]) for a device order of len(order) positions."""
-    T = x.shape[axis]
-    assert len(order) == T, (len(order), x.shape, axis)
-    jumps = np.flatnonzero(np.diff(order) != 1)
-    C = int(jumps[0]) + 1 if len(jumps) else T // 2  # the first chunk's length (cp = 1: no jump)
-    cp = T // (2 * C)
-    return cp, x.reshape(*x.shape[:axis], 2 * cp, C, *x.shape[axis + 1:])
