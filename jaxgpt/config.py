@@ -307,7 +307,7 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
-    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2 or Llama weights (a dir with config.json + "
+    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2, Llama or Mixtral weights (a dir with config.json + "
                            "model.safetensors)")
 
 
@@ -635,12 +635,13 @@ def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
                 raise UserError(f"pipeline.{key}={value} needs a pp axis (--mesh pp=S,...); with pp=1 there is "
                                 f"no pipeline")
         return 1
-    if m.moe_experts:
-        raise UserError("pipeline parallelism (pp > 1) does not support Mixture-of-Experts models yet; "
-                        "use ep, fsdp, tp and dp for an MoE model, or set model.moe_experts=0")
     if m.n_layer % (S * R):
         raise UserError(f"model.n_layer={m.n_layer} does not split into pp x pipeline.repeats = {S} x {R} = "
                         f"{S * R} equal chunks of layers")
+    if m.moe_experts and (m.n_layer // m.moe_every) % (S * R):
+        raise UserError(f"the {m.n_layer // m.moe_every} MoE groups (model.n_layer / model.moe_every, a group ending "
+                        f"in its MoE block) do not split into pp x pipeline.repeats = {S} x {R} = {S * R} equal "
+                        f"chunks; pick a moe_every that leaves a multiple of {S * R} groups")
     rows = round_rows(cfg, sizes)
     M = cfg.pipeline.microbatches
     if M == 0:

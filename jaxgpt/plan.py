@@ -46,7 +46,7 @@ from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import POSITIVE, Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.gpu import fp8_choice, search
-from jaxgpt.hf.llama import check_init_from_hf
+from jaxgpt.hf.classes import check_init_from_hf
 
 GIB, MIB = 2**30, 2**20
 # Bandwidth in one direction, bytes/s: what one device's sends can use.

@@ -69,6 +69,7 @@ from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
+from jaxgpt.model.moe import MoEStats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
 from jaxgpt.parallel.context import balanced_ways, to_window_order
@@ -195,43 +196,66 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
                        stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/parallel/pipeline.py):
-    `params['blocks']` holds this stage's chunks, and the result is its share of the loss (the M/pp
-    micro-batches whose head it computes, scaled by 1/pp): the psum over pp is the mean loss.
+    the stacked blocks hold this stage's chunks, and the result is its share of the objective and
+    metrics (the loss of the M/pp micro-batches whose head it computes, scaled by 1/pp; an MoE
+    model's losses of its own chunks): the psum over pp is objective_fn's value.
     `block_axes`: the blocks' logical axes, for pipeline.gather_once."""
-    x_BTD, labels_BT = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches, block_axes,
-                                         bubble_fill)
-    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, cfg.model, dtype) / stages
+    x_BTD, labels_BT, stats = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches,
+                                                block_axes, bubble_fill)
+    m = cfg.model
+    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, m, dtype) / stages
     # every stage holds the whole batch: its share of the psum over pp, as the loss's
-    return loss, {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, cfg.model).items()}}
+    metrics = {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, m).items()}}
+    if stats is None:
+        return loss, metrics
+    aux_coef = m.moe_aux_coef if m.moe_balance == "aux" else 0.0  # as objective_fn
+    objective = loss + aux_coef * stats.aux + m.moe_z_coef * stats.z
+    return objective, metrics | dict(zip(MOE_METRICS, stats[:3], strict=True)) | {"moe_load": stats.load}
+
+
+def stack_key(cfg: ModelConfig) -> str:
+    """Where the model keeps its stacked layers: 'blocks', or an MoE model's 'groups' (jaxgpt/model/gpt.py)."""
+    return "groups" if cfg.moe_experts else "blocks"
 
 
 def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
                       stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
-                      ) -> tuple[jax.Array, jax.Array]:
-    """(final features [rows, T, D], their labels [rows, T]) of the rows whose head this stage
-    computes (its M/pp micro-batches), as pipeline_objective's loss takes them."""
-    S, R, M = stages, cfg.pipeline.repeats, microbatches
+                      ) -> tuple[jax.Array, jax.Array, MoEStats | None]:
+    """(final features [rows, T, D], their labels [rows, T], an MoE model's MoEStats share or None)
+    of the rows whose head this stage computes (its M/pp micro-batches), as pipeline_objective's
+    loss takes them. The MoE share is this stage's chunks' statistics, summed over the micro-batches
+    and scaled so that its psum over pp is objective_fn's mean over every MoE block and sequence:
+    each chunk's means (its G/(R*S) groups) / (R*S*M), its load [G/(R*S), E] placed at the chunk's
+    rows of the [G, E] whole, / M."""
+    S, R, M, key = stages, cfg.pipeline.repeats, microbatches, stack_key(cfg.model)
     if cfg.pipeline.gather_once:  # fsdp: whole (fp32) stage weights for the round; a no-op without fsdp
         whole = lambda x, axes: shard(x, *(None if a == "embed" else a for a in axes))  # noqa: E731
-        params = {**params, "blocks": jax.tree.map(whole, params["blocks"], block_axes)}
+        params = {**params, key: jax.tree.map(whole, params[key], block_axes)}
     model = nnx.merge(graphdef, params)
     B, T1 = batch_BT1.shape
     # Micro-batch m holds rows m, m+M, ...: a reshape of the sharded batch axis, as in summed_grads.
     x_MbTD = model.embed(batch_BT1[:, :-1], dtype).reshape(B // M, M, T1 - 1, -1).swapaxes(0, 1)
     tokens_MbT = batch_BT1[:, :-1].reshape(B // M, M, T1 - 1).swapaxes(0, 1)
+    G, E = cfg.model.n_layer // cfg.model.moe_every, cfg.model.moe_experts
+    totals = MoEStats(*(jnp.zeros((), jnp.float32),) * 3, jnp.zeros((G, E), jnp.float32)) if E else ()
 
-    def run_chunk(chunk: dict, x_bTD: jax.Array, m: jax.Array) -> jax.Array:
-        stage = nnx.merge(graphdef, {**params, "blocks": chunk})
-        return stage.run_blocks(x_bTD, stage.documents(tokens_MbT[m]))[0]
+    def run_chunk(chunk: dict, x_bTD: jax.Array, m: jax.Array, r: jax.Array):
+        stage = nnx.merge(graphdef, {**params, key: chunk})
+        y_bTD, stats = stage.run_blocks(x_bTD, stage.documents(tokens_MbT[m]))
+        if stats is None:
+            return y_bTD, ()
+        first_row = (r * S + jax.lax.axis_index("pp")) * stats.load.shape[0]  # chunk (r, s)'s first group
+        load_GE = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((G, E), jnp.float32), stats.load, first_row, 0)
+        return y_bTD, MoEStats(*(x / (R * S * M) for x in stats[:3]), load_GE / M)
 
-    y_MbTD = pipeline.run(run_chunk, params["blocks"], x_MbTD, S, R, bubble_fill,
-                          REMAT_POLICIES.get(cfg.model.remat))
+    y_MbTD, totals = pipeline.run(run_chunk, params[key], x_MbTD, S, R, bubble_fill,
+                                  REMAT_POLICIES.get(cfg.model.remat), totals)
     y_nbTD = pipeline.scatter_outputs(y_MbTD)
     labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
     y_nbTD = to_window_order(y_nbTD, balanced_ways(T1 - 1), axis=2)  # from context parallelism's order, if any
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
-    return x_BTD, labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1])
+    return x_BTD, labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1]), totals if E else None
 
 
 class Layout(NamedTuple):
@@ -272,7 +296,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     layout = manual_layout(cfg, mesh, setup)
     if S > 1:
         objective = functools.partial(pipeline_objective, cfg=cfg, dtype=dtype, stages=S,
-                                      microbatches=layout.microbatches, block_axes=setup.logical_axes["blocks"],
+                                      microbatches=layout.microbatches, block_axes=setup.logical_axes[stack_key(m)],
                                       bubble_fill=bubble_fill)
     else:
         objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
@@ -326,13 +350,16 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
 
             return jax.tree.map(reduce, metrics), jax.tree.map(reduce, grads, specs)
 
-        params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)} if S > 1 else params
+        key = stack_key(m)
+        if S > 1:  # the stacked layers and their routing bias rows (moe_balance=bias) in stage-major order
+            params = {**params, key: pipeline.to_stage_major(params[key], S, R)}
+            bias = None if bias is None else pipeline.to_stage_major(bias, S, R)
         batch_axes = tuple(a for a in ("dp", "ep") if a in layout.manual)
         metrics, grads = jax.shard_map(
             per_shard, mesh=mesh, in_specs=(specs, P() if bias is None else bias_spec, P(batch_axes) if batch_axes else P()),
             out_specs=(P(), specs), axis_names=set(layout.manual))(params, bias, batch_BT1)
         if S > 1:
-            grads = {**grads, "blocks": pipeline.from_stage_major(grads["blocks"], S, R)}
+            grads = {**grads, key: pipeline.from_stage_major(grads[key], S, R)}
         return metrics, grads
 
     def train_step(state: TrainState, batch_BT1: jax.Array):
@@ -379,14 +406,14 @@ def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
         if S == 1:
             x_BTD = nnx.merge(setup.graphdef, params)(batch_BT1[:, :-1], dtype, features_only=True)
             return val_sums(x_BTD, batch_BT1[:, 1:], head_table(params), bytes_V, cfg.model, dtype)
-        layout = manual_layout(cfg, mesh, setup)
+        layout, key = manual_layout(cfg, mesh, setup), stack_key(cfg.model)
 
         def per_stage(params, batch_BT1, bytes_V):  # each stage sums the rows whose head it computes
-            x_BTD, labels_BT = pipeline_features(params, setup.graphdef, batch_BT1, cfg, dtype, S,
-                                                 layout.microbatches, setup.logical_axes["blocks"])
+            x_BTD, labels_BT, _ = pipeline_features(params, setup.graphdef, batch_BT1, cfg, dtype, S,
+                                                    layout.microbatches, setup.logical_axes[key])
             return jax.lax.psum(val_sums(x_BTD, labels_BT, head_table(params), bytes_V, cfg.model, dtype), "pp")
 
-        params = {**params, "blocks": pipeline.to_stage_major(params["blocks"], S, R)}
+        params = {**params, key: pipeline.to_stage_major(params[key], S, R)}
         return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P(), P()), out_specs=P(),
                              axis_names={"pp"})(params, batch_BT1, bytes_V)
 

@@ -389,8 +389,21 @@ def _rms(x, w):
     return x / np.sqrt((x**2).mean(-1, keepdims=True) + 1e-5) * w
 
 
-def _hf_llama_logits(t: dict[str, np.ndarray], c: dict, tokens_BT: np.ndarray, rope=_rope_hf) -> np.ndarray:
-    """Llama's forward pass (transformers' LlamaForCausalLM) from HF's tensors and config.json alone, in float64."""
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _llama_mlp(p: dict, m_BTD: np.ndarray, c: dict) -> np.ndarray:
+    def lin(x, name):
+        return x @ p[f"mlp.{name}.weight"].T + p.get(f"mlp.{name}.bias", 0)
+
+    return lin(_silu(lin(m_BTD, "gate_proj")) * lin(m_BTD, "up_proj"), "down_proj")
+
+
+def _hf_llama_logits(t: dict[str, np.ndarray], c: dict, tokens_BT: np.ndarray, rope=_rope_hf,
+                     mlp=_llama_mlp) -> np.ndarray:
+    """Llama's forward pass (transformers' LlamaForCausalLM) from HF's tensors and config.json alone, in
+    float64; with `mlp=_mixtral_moe`, Mixtral's (MixtralForCausalLM)."""
     t = {k.removeprefix("model."): v.astype(np.float64) for k, v in t.items()}
     B, T = tokens_BT.shape
     H, G, K, theta = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["rope_theta"]
@@ -411,9 +424,7 @@ def _hf_llama_logits(t: dict[str, np.ndarray], c: dict, tokens_BT: np.ndarray, r
         w_BHTT = np.exp(s_BHTT - s_BHTT.max(-1, keepdims=True))
         w_BHTT /= w_BHTT.sum(-1, keepdims=True)
         x_BTD = x_BTD + lin((w_BHTT @ v_BHTK).transpose(0, 2, 1, 3).reshape(B, T, H * K), p, "self_attn.o_proj")
-        m_BTD = _rms(x_BTD, p["post_attention_layernorm.weight"])
-        gate_BTF = lin(m_BTD, p, "mlp.gate_proj")
-        x_BTD = x_BTD + lin(gate_BTF / (1 + np.exp(-gate_BTF)) * lin(m_BTD, p, "mlp.up_proj"), p, "mlp.down_proj")
+        x_BTD = x_BTD + mlp(p, _rms(x_BTD, p["post_attention_layernorm.weight"]), c)
     head_VD = t.get("lm_head.weight", t["embed_tokens.weight"])
     return _rms(x_BTD, t["norm.weight"]) @ head_VD.T
 
@@ -468,21 +479,27 @@ def test_llama_attention_scores_use_rotate_half(llama):
 LLAMA_3 = [*LLAMA, "model.n_kv_head=2", "model.tie_embeddings=false", "model.bias=false"]
 
 
+def _hf_dirs(tmp, fmt, overrides: list[str], *import_args: str) -> tuple:
+    """(cfg, graphdef, random params, tmp): an HF directory tmp/source written by `fmt` (an hf module),
+    `hf import`ed as tmp/run, exported back as tmp/out."""
+    from jaxgpt import hf
+
+    cfg = tiny_config(*overrides)
+    graphdef, params = _perturbed(cfg)
+    (tmp / "source").mkdir()
+    save_file(fmt.to_hf(params, cfg.model), tmp / "source" / WEIGHTS)
+    (tmp / "source" / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model)))
+    assert hf.main(["import", str(tmp / "source"), str(tmp / "run"), "model.loss_chunk=8", *import_args]) == 0
+    assert export(tmp / "run", tmp / "out") == 0
+    return cfg, graphdef, params, tmp
+
+
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
     """An HF Llama directory (weights + config.json), `hf import`ed as a run, exported back."""
-    from jaxgpt import hf
     from jaxgpt.hf import llama as hf_llama
 
-    cfg = tiny_config(*LLAMA_3)
-    graphdef, params = _perturbed(cfg)
-    tmp = tmp_path_factory.mktemp("llama")
-    (tmp / "source").mkdir()
-    save_file(hf_llama.to_hf(params, cfg.model), tmp / "source" / WEIGHTS)
-    (tmp / "source" / CONFIG).write_text(json.dumps(hf_llama.hf_config(cfg.model)))
-    assert hf.main(["import", str(tmp / "source"), str(tmp / "run"), "model.loss_chunk=8"]) == 0
-    assert export(tmp / "run", tmp / "out") == 0
-    return cfg, graphdef, params, tmp
+    return _hf_dirs(tmp_path_factory.mktemp("llama"), hf_llama, LLAMA_3)
 
 
 def test_llama_import_then_export_is_exact(llama_dirs, capsys):
@@ -514,13 +531,20 @@ def test_llama_import_then_export_is_exact(llama_dirs, capsys):
 def test_transformers_llama_gives_our_logits_and_greedy_text(llama_dirs, capsys):
     """LlamaForCausalLM + AutoTokenizer on the export: logits to 1e-5 (fp32) and `generate`'s greedy
     text == `python -m jaxgpt.sample --temperature 0` on the run (scripts/hf_greedy_check.py, automated)."""
+    hf_model = _transformers_matches(llama_dirs, "LlamaForCausalLM", capsys)
+    assert type(hf_model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+
+
+def _transformers_matches(dirs: tuple, class_name: str, capsys):
+    """transformers' `class_name` on the export (dirs: a *_dirs fixture) gives our logits to 1e-5
+    (fp32), and its greedy `generate` with AutoTokenizer the text of `jaxgpt.sample --temperature 0`
+    on the run. Returns the HF model."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from jaxgpt import sample
 
-    cfg, graphdef, params, tmp = llama_dirs
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp / "out", dtype=torch.float32).eval()
-    assert type(hf_model.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    cfg, graphdef, params, tmp = dirs
+    hf_model = getattr(transformers, class_name).from_pretrained(tmp / "out", dtype=torch.float32).eval()
     tokens_BT = _tokens(cfg)
     with torch.no_grad():
         theirs_BTV = hf_model(torch.as_tensor(tokens_BT)).logits.numpy()
@@ -536,6 +560,7 @@ def test_transformers_llama_gives_our_logits_and_greedy_text(llama_dirs, capsys)
         generated = hf_model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     assert generated.shape[1] == ids.shape[1] + 16  # no <|endoftext|> on the way: all 16 tokens compared
     assert tokenizer.decode(generated[0]) == ours
+    return hf_model
 
 
 NANOCHAT = ["model.norm=rmsnorm", "model.norm_scale=false", "model.position=rope", "model.mlp=relu2",
@@ -554,13 +579,18 @@ NANOCHAT = ["model.norm=rmsnorm", "model.norm_scale=false", "model.position=rope
                               "(Llama's MLP is SwiGLU); nor can GPT2LMHeadModel, for model.position=rope"),
     ([*LLAMA, "model.qk_norm=true"], "cannot, for model.qk_norm=True (Llama has no QK-norm);"),
     ([*LLAMA, "model.logit_softcap=30"], "cannot, for model.logit_softcap=30.0 (Llama does not cap its logits);"),
-    ([*LLAMA, "model.moe_experts=4"], "Hugging Face GPT-2 and Llama have no experts"),
+    ([*LLAMA_3, "model.moe_experts=4"], "mixtral"),
+    ([*LLAMA, "model.moe_experts=4", "model.moe_every=2", "model.moe_shared_experts=1", "model.moe_balance=bias"],
+     "no Hugging Face class holds this Mixture-of-Experts model: MixtralForCausalLM cannot, for model.moe_every=2 "
+     "(every Mixtral block is MoE), model.moe_shared_experts=1 (Mixtral has no shared experts), model.bias=True "
+     "(Mixtral's linears have no biases), model.moe_balance=bias (Mixtral's router has no balancing bias)"),
+    ([*NANOCHAT, "model.moe_experts=4"], "MixtralForCausalLM cannot, for model.norm_scale=False (Llama's RMSNorms"),
 ])
-def test_llama_architecture_or_one_line_refusal(overrides, line):
-    from jaxgpt.hf.llama import architecture
+def test_architecture_or_one_line_refusal(overrides, line):
+    from jaxgpt.hf import architecture
 
     m = tiny_config(*overrides).model
-    if line in ("gpt2", "llama"):
+    if line in ("gpt2", "llama", "mixtral"):
         assert architecture(m) == line
         return
     with pytest.raises(UserError) as e:
@@ -626,7 +656,7 @@ def test_llama_config_json_both_spellings_and_one_line_mismatches(llama_dirs, tm
          "does not match the model config (model.n_layer=3 vs 2 there, model.rope_theta=10000.0 vs 500.0 there); "
          "override with model.n_layer=2 model.rope_theta=500.0"),
         ({}, tiny_config(*LLAMA_3, "model.seq_len=64"), "model.seq_len=64 vs 32 there"),
-        ({"model_type": "mistral"}, cfg, "describes a 'mistral' model; jaxgpt reads GPT-2 and Llama"),
+        ({"model_type": "mistral"}, cfg, "describes a 'mistral' model; jaxgpt reads GPT-2, Llama and Mixtral"),
     ]
     for change, case_cfg, message in cases:
         (tmp_path / CONFIG).write_text(json.dumps(source | change))
@@ -645,3 +675,109 @@ def test_llama_config_json_both_spellings_and_one_line_mismatches(llama_dirs, tm
         load_dir(tmp_path, cfg.model)
     with pytest.raises(UserError, match=r"model.norm=layernorm vs rmsnorm there"):
         load_dir(tmp / "source", gpt2_cfg.model)
+
+
+# --- Mixtral (jaxgpt/hf/mixtral.py) --------------------------------------------------------------
+
+# Llama 3's attention with 4 fine-grained experts (narrower than the dense width), top-2, in every block.
+# Capacity dispatch (the default) with a factor that holds every assignment (C = S): Mixtral drops nothing.
+MIXTRAL = [*LLAMA_3, "model.moe_experts=4", "model.moe_top_k=2", "model.moe_mlp_hidden=48",
+           "model.moe_capacity_factor=2.0"]
+
+
+def _mixtral_moe(p: dict, m_BTD: np.ndarray, c: dict) -> np.ndarray:
+    """transformers' MixtralSparseMoeBlock: softmax over the router's logits, the top k renormalised,
+    each expert silu(x w1) * (x w3) w2, weighted and summed."""
+    probs_BTE = np.exp(m_BTD @ p["block_sparse_moe.gate.weight"].T)
+    probs_BTE /= probs_BTE.sum(-1, keepdims=True)
+    k = c["num_experts_per_tok"]
+    top_BTK = np.argsort(-probs_BTE, axis=-1, kind="stable")[..., :k]
+    weights_BTK = np.take_along_axis(probs_BTE, top_BTK, -1)
+    weights_BTK /= weights_BTK.sum(-1, keepdims=True)
+    out_BTD = np.zeros_like(m_BTD)
+    for e in range(c["num_local_experts"]):
+        w1, w2, w3 = (p[f"block_sparse_moe.experts.{e}.{w}.weight"] for w in ("w1", "w2", "w3"))
+        y_BTD = (_silu(m_BTD @ w1.T) * (m_BTD @ w3.T)) @ w2.T
+        out_BTD += (weights_BTK * (top_BTK == e)).sum(-1, keepdims=True) * y_BTD
+    return out_BTD
+
+
+@pytest.fixture(scope="module")
+def mixtral_dirs(tmp_path_factory):
+    """An HF Mixtral directory (weights + config.json), `hf import`ed as a run, exported back."""
+    from jaxgpt.hf import mixtral
+
+    return _hf_dirs(tmp_path_factory.mktemp("mixtral"), mixtral, MIXTRAL, "model.moe_capacity_factor=2.0")
+
+
+def test_mixtral_round_trip_is_exact_and_in_the_hub_layout(mixtral_dirs):
+    from jaxgpt.hf import mixtral
+
+    cfg, _, params, tmp = mixtral_dirs
+    m = cfg.model
+    tensors = mixtral.to_hf(params, m)
+    moe = "model.layers.1.block_sparse_moe"
+    assert tensors[f"{moe}.gate.weight"].shape == (4, 64)
+    assert tensors[f"{moe}.experts.3.w1.weight"].shape == tensors[f"{moe}.experts.3.w3.weight"].shape == (48, 64)
+    assert tensors[f"{moe}.experts.3.w2.weight"].shape == (64, 48)
+    assert len(tensors) == 3 + (6 + 1 + 3 * 4) * m.n_layer  # embed, head, norm; norms, q k v o, gate, 4 x w1 w2 w3
+    np.testing.assert_array_equal(tensors[f"{moe}.experts.2.w2.weight"],
+                                  params["groups"]["moe"]["mlp"]["c_proj_kernel"][1, 2].T)
+    _assert_same_but_padding(mixtral.from_hf(tensors, m), params, m.vocab_size)
+    c = mixtral.hf_config(m)
+    assert (c["model_type"], c["intermediate_size"], c["num_local_experts"], c["num_experts_per_tok"]) == (
+        "mixtral", 48, 4, 2)
+    restored, run_cfg, step = restore_params(tmp / "run")
+    # config.json implies every architecture key; a dense MLP width is none (every block is MoE)
+    assert step == 0 and run_cfg.model == dataclasses.replace(m, mlp_hidden=0)
+    _assert_same_but_padding(jax.device_get(restored), params, m.vocab_size)
+    assert (tmp / "out" / CONFIG).read_text() == (tmp / "source" / CONFIG).read_text().replace(
+        json.dumps(c), json.dumps(c, indent=2) + "\n")
+    _assert_same_but_padding(load_dir(tmp / "out", m), params, m.vocab_size)
+
+
+def test_mixtral_export_is_transformers_mixtral(mixtral_dirs):
+    """The exported tensors through an independent NumPy MixtralForCausalLM give our logits; the same
+    tensors through Llama's dense MLP (the router ignored) do not."""
+    from jaxgpt.hf import mixtral
+
+    cfg, graphdef, params, _ = mixtral_dirs
+    tensors, c = mixtral.to_hf(params, cfg.model), mixtral.hf_config(cfg.model)
+    tokens_BT = _tokens(cfg)
+    ours_BTV = np.asarray(nnx.merge(graphdef, params)(tokens_BT))[..., : cfg.model.vocab_size]
+    ref_BTV = _hf_llama_logits(tensors, c, tokens_BT, mlp=_mixtral_moe)
+    assert ref_BTV.std() > 0.3
+    np.testing.assert_allclose(ours_BTV, ref_BTV, rtol=0, atol=ATOL)
+    # top-1 in place of top-2 moves the logits far past the tolerance: the routing is what is compared
+    assert np.abs(_hf_llama_logits(tensors, c | {"num_experts_per_tok": 1}, tokens_BT, mlp=_mixtral_moe)
+                  - ours_BTV).max() > 100 * ATOL
+
+
+def test_transformers_mixtral_gives_our_logits_and_greedy_text(mixtral_dirs, capsys):
+    """MixtralForCausalLM + AutoTokenizer on the export: logits to 1e-5 (fp32), greedy text == jaxgpt.sample's."""
+    hf_model = _transformers_matches(mixtral_dirs, "MixtralForCausalLM", capsys)
+    assert type(hf_model.model.layers[0].mlp).__name__ == "MixtralSparseMoeBlock"
+
+
+def test_mixtral_mismatches_are_one_line(mixtral_dirs, llama_dirs, tmp_path, capsys):
+    from jaxgpt import hf
+
+    cfg, _, _, tmp = mixtral_dirs
+    cases = [(tmp / "source", tiny_config(*MIXTRAL, "model.moe_experts=8"),
+              "model.moe_experts=8 vs 4 there"),
+             (tmp / "source", tiny_config(*LLAMA_3), "model.moe_experts=0 vs 4 there"),
+             (tmp / "source", tiny_config(*MIXTRAL, "model.moe_mlp_hidden=0"), "model.moe_mlp_hidden=96 vs 48 there"),
+             (llama_dirs[3] / "source", cfg, "holds a Llama model, which has no experts, but the model config sets "
+                                             "model.moe_experts=4; set model.moe_experts=0")]
+    for source, case_cfg, message in cases:
+        with pytest.raises(UserError) as e:
+            load_dir(source, case_cfg.model)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    source = json.loads((tmp / "source" / CONFIG).read_text())
+    (tmp_path / CONFIG).write_text(json.dumps(source | {"sliding_window": 4096}))
+    (tmp_path / WEIGHTS).symlink_to(tmp / "source" / WEIGHTS)
+    with pytest.raises(UserError, match="sliding_window=4096 is not supported"):
+        load_dir(tmp_path, cfg.model)
+    capsys.readouterr()
+    assert hf.main(["check", str(tmp / "out")]) == 0
+    assert capsys.readouterr().out.split(": ")[1].startswith("Mixtral with ")

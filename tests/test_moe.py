@@ -88,10 +88,12 @@ def test_dp_ep_matches_single_device_and_logs_moe_metrics(ep_run, single_device_
         assert r["moe_z_loss"] > 0
 
 
-@pytest.mark.parametrize("layout, overrides", [("ep=4", ()), ("ep=2,tp=2", ("model.remat=full",))])
+@pytest.mark.parametrize("layout, overrides", [("ep=4", ()), ("ep=2,tp=2", ("model.remat=full",)),
+                                               ("pp=2,dp=2,ep=2", ("train.grad_accum=2",))])
 def test_ep_layouts_match_single_device(layout, overrides, single_device_losses, batches):
-    """Routing, capacity and the MoE losses are per sequence, so splitting the batch over dp, ep or
-    micro-batches changes only the order of sums (the LOSS_ATOL of tests/test_parallel.py)."""
+    """Routing, capacity and the MoE losses are per sequence, so splitting the batch over dp, ep,
+    micro-batches or pipeline stages (each stage's share of the aux and z losses, summed over pp)
+    changes only the order of sums (the LOSS_ATOL of tests/test_parallel.py)."""
     losses = _step_losses(layout, batches, *overrides)
     np.testing.assert_allclose(losses, single_device_losses, rtol=0, atol=LOSS_ATOL)
 

@@ -91,14 +91,24 @@ def one_device():
 
 
 @pytest.mark.parametrize("layout, overrides", [("dp=2,ep=4", ("train.grad_accum=2",)), ("fsdp=2,ep=2", ()),
-                                               ("ep=2,tp=2", ())])
+                                               ("ep=2,tp=2", ()), ("pp=2,ep=4", ())])
 def test_dropless_and_bias_layouts_match_one_device(one_device, layout, overrides):
     """Dropless routing, shared and fine-grained experts and the bias balancing: every layout takes
     the same losses and moves the routing bias the same way (the loads are exact dyadic fractions,
-    so the bias agrees exactly)."""
+    so the bias agrees exactly; under pp each stage's rows of it come from its own blocks)."""
     losses, bias, _ = _run(layout, *overrides)
     np.testing.assert_allclose(losses, one_device[0], rtol=0, atol=LOSS_ATOL)
     np.testing.assert_array_equal(bias, one_device[1])
+
+
+def test_circular_pipeline_places_each_chunks_load_and_bias():
+    """pp=2 x repeats=2 over 4 MoE blocks: device s runs chunks s and 2 + s, so each chunk's load
+    must land on its own rows of the [G, E] routing bias; losses and bias as one device's."""
+    losses, bias, _ = _run("pp=2,dp=2,ep=2", "model.n_layer=4", "pipeline.repeats=2")
+    want_losses, want_bias, _ = _run("dp=1", "model.n_layer=4")
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=LOSS_ATOL)
+    assert len({tuple(row) for row in want_bias}) == 4  # every block's bias moved its own way
+    np.testing.assert_array_equal(bias, want_bias)
 
 
 def test_bias_moves_against_the_load_without_gradient_or_optimizer(one_device):

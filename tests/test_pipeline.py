@@ -205,7 +205,9 @@ def test_checkpoint_moves_from_flat_mesh_into_a_circular_pipeline(single_device,
     (("train.batch_size=4", "model.n_layer=8"), "pp=8", r"pp=8 needs a multiple of 8 micro-batches, but a data shard's 4"),
     (("pipeline.repeats=2",), "dp=8", r"pipeline.repeats=2 needs a pp axis"),
     (("pipeline.microbatches=4",), "dp=8", r"pipeline.microbatches=4 needs a pp axis"),
-    (("model.moe_experts=4",), "pp=2,dp=4", r"does not support Mixture-of-Experts"),
+    (("model.moe_experts=4", "model.n_layer=4", "model.moe_every=2"), "pp=4,dp=2",
+     r"the 2 MoE groups \(model.n_layer / model.moe_every, a group ending in its MoE block\) do not split into pp x "
+     r"pipeline.repeats = 4 x 1 = 4 equal chunks"),
     ((), "pp=3,dp=2", r"mesh pp=3,dp=2,fsdp=1,cp=1,ep=1,tp=1 has 6 devices but 8"),
 ])
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, mesh, message):

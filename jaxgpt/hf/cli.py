@@ -10,14 +10,14 @@ from jaxgpt.hf.convert import EXPORT_FILES, check_dir, export, import_dir
 
 
 def _main(argv: Sequence[str] | None) -> None:
-    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2 and Llama export and import.")
+    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2, Llama and Mixtral export and import.")
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2 or Llama directory")
+    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2, Llama or Mixtral directory")
     ex.add_argument("run_dir", type=path_arg, help="a run dir or its checkpoints dir")
     ex.add_argument("out_dir", type=path_arg, help="gets the weights, config.json, generation_config.json and tokenizer")
-    check = commands.add_parser("check", help="load an HF GPT-2 or Llama directory and print its size")
+    check = commands.add_parser("check", help="load an HF GPT-2, Llama or Mixtral directory and print its size")
     check.add_argument("hf_dir", type=path_arg)
-    imp = commands.add_parser("import", help="turn an HF GPT-2 or Llama directory into a jaxgpt run dir "
+    imp = commands.add_parser("import", help="turn an HF GPT-2, Llama or Mixtral directory into a jaxgpt run dir "
                                              "(a step-0 checkpoint)")
     imp.add_argument("hf_dir", type=path_arg, help="config.json + model.safetensors (save_pretrained or export)")
     imp.add_argument("run_dir", type=path_arg, help="a new run dir; gets checkpoints/0 and config.yaml")

@@ -1,7 +1,7 @@
 """Hugging Face directories <-> jaxgpt runs: read and check an HF directory, export, import (for cli.py).
 
-A directory's config.json picks its format (`FORMATS`: the GPT-2 and Llama mappings of gpt2.py and
-llama.py) by its model_type, or without one by its `architectures`.
+A directory's config.json picks its format (`FORMATS`: the GPT-2, Llama and Mixtral mappings of
+gpt2.py, llama.py and mixtral.py) by its model_type, or without one by its `architectures`.
 
 `export` restores the newest readable checkpoint of a run (the config stored with it decides the
 shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that
@@ -39,7 +39,8 @@ from jaxgpt import files
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, from_dict, load_config
 from jaxgpt.errors import UserError
-from jaxgpt.hf import gpt2, llama, tokenizer
+from jaxgpt.hf import gpt2, llama, mixtral, tokenizer
+from jaxgpt.hf.classes import architecture
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import TrainState, abstract_state, make_setup
 from jaxgpt.tokenizer import EOT_ID, N_VOCAB
@@ -61,16 +62,19 @@ class Format(NamedTuple):
 FORMATS = {"gpt2": Format("GPT-2", gpt2.to_hf, gpt2.from_hf, gpt2.hf_config, gpt2.model_overrides,
                            gpt2.check_config, gpt2.CONFIG_SHAPE),
            "llama": Format("Llama", llama.to_hf, llama.from_hf, llama.hf_config, llama.model_overrides,
-                           llama.check_config, llama.CONFIG_SHAPE)}
+                           llama.check_config, llama.CONFIG_SHAPE),
+           "mixtral": Format("Mixtral", mixtral.to_hf, mixtral.from_hf, mixtral.hf_config, mixtral.model_overrides,
+                             mixtral.check_config, mixtral.CONFIG_SHAPE)}
+_ARCHITECTURES = {"llama": llama.ARCHITECTURE, "mixtral": mixtral.ARCHITECTURE}  # gpt2 without model_type either
 
 
 def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
     """config.json's model_type (or, without one, its architectures) -> the Format that reads it."""
     files.check_shape(hf_cfg, f"Hugging Face config {source}", optional={"model_type": str, "architectures": list})
-    default = "llama" if llama.ARCHITECTURE in hf_cfg.get("architectures", []) else "gpt2"
+    default = next((kind for kind, name in _ARCHITECTURES.items() if name in hf_cfg.get("architectures", [])), "gpt2")
     kind = hf_cfg.get("model_type", default)
     if kind not in FORMATS:
-        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2 and Llama (model_type gpt2 or llama)")
+        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2, Llama and Mixtral (model_type gpt2, llama or mixtral)")
     fmt = FORMATS[kind]
     files.check_shape(hf_cfg, f"Hugging Face config {source}", optional=fmt.config_shape)
     for key, value in hf_cfg.items():
@@ -107,9 +111,10 @@ def read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Forma
 
 
 def load_dir(hf_dir: Path, model_cfg: ModelConfig) -> dict:
-    """config.json + model.safetensors (GPT-2 or Llama, as from_pretrained/export write them) -> our params, checked."""
+    """config.json + model.safetensors (GPT-2, Llama or Mixtral, as save_pretrained/export write them) -> our
+    params, checked."""
     hf_cfg, tensors, fmt = read_dir(hf_dir)
-    llama.architecture(model_cfg)  # no experts, no mix of the two
+    _same_class(fmt, model_cfg, hf_dir)
     fmt.check_config(hf_cfg, model_cfg, Path(hf_dir) / CONFIG)
     return fmt.from_hf(tensors, model_cfg)
 
@@ -161,8 +166,17 @@ EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *tokenizer.FILES)
 
 
 def _format_for(cfg: Config) -> Format:
-    """The Format that holds this model, or llama.architecture's one-line UserError."""
-    return FORMATS[llama.architecture(cfg.model)]
+    """The Format that holds this model, or classes.architecture's one-line UserError."""
+    return FORMATS[architecture(cfg.model)]
+
+
+def _same_class(fmt: Format, m: ModelConfig, hf_dir: Path) -> None:
+    """UserError (one line) unless some class holds `m` and an MoE `m` meets a Mixtral directory (the
+    formats' check_config name every other mismatch by its model.* keys)."""
+    architecture(m)
+    if m.moe_experts and fmt is not FORMATS["mixtral"]:
+        raise UserError(f"{hf_dir} holds a {fmt.name} model, which has no experts, but the model config sets "
+                        f"model.moe_experts={m.moe_experts}; set model.moe_experts=0")
 
 
 def generation_config() -> dict[str, Any]:
@@ -214,7 +228,7 @@ def _fresh_data_state() -> dict:
 
 def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
                overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
-    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2 or Llama directory,
+    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2, Llama or Mixtral directory,
     without training: the model.* keys come from its config.json (then `config` and `overrides`),
     the parameters from its weights, the optimizer state is a fresh one. Returns the config and
     the model.* keys config.json implies (what a `train --run-dir` resuming it must keep)."""
@@ -227,7 +241,7 @@ def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
     hf_cfg, tensors, fmt = read_dir(hf_dir)
     implied = fmt.model_overrides(hf_cfg)
     cfg = load_config(config, [*(f"{key}={value}" for key, value in implied.items()), *overrides])
-    llama.architecture(cfg.model)
+    _same_class(fmt, cfg.model, hf_dir)
     fmt.check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
     params = fmt.from_hf(tensors, cfg.model)
     if cfg.model.vocab_size != N_VOCAB:

@@ -4,9 +4,10 @@ Which models. A jaxgpt model is Llama-shaped when model.norm=rmsnorm with a lear
 model.position=rope and model.mlp=swiglu, without QK-norm or logit soft-capping; n_kv_head
 (num_key_value_heads: grouped-query attention), mlp_hidden (intermediate_size), rope_theta,
 tie_embeddings (tie_word_embeddings) and bias (attention_bias = mlp_bias: biases on q, k, v, o and
-gate, up, down; RMSNorm has none either way) are free. `architecture` picks GPT-2 or Llama for a
-model config and refuses in one line what neither class holds (parameter-free norms, relu2 or
-GELU with RoPE, learned positions with RMSNorm, QK-norm, soft-capped logits, experts).
+gate, up, down; RMSNorm has none either way) are free. `blockers` names what Llama cannot hold
+(parameter-free norms, relu2 or GELU with RoPE, learned positions with RMSNorm, QK-norm,
+soft-capped logits), for classes.architecture's one-line refusal. A Llama-shaped model with
+experts is Mixtral's (mixtral.py), which reuses this module's mapping with its own MLP (`Mlp`).
 
 Layout. torch's `nn.Linear` keeps its weight as [out, in]; ours are [in, out] with heads as axes,
 so each HF tensor is one layer's slice reshaped to [in, out] and transposed:
@@ -46,9 +47,12 @@ writes GPT-2's files with bos = eos = <|endoftext|>, and an import of another vo
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -70,25 +74,16 @@ _LLAMA = {"norm": ("rmsnorm", "Llama's norms are RMSNorm"),
           "logit_softcap": (0.0, "Llama does not cap its logits")}
 
 
-def check_init_from_hf(cfg: Config) -> None:
-    """Before compiling (train, plan): a run with checkpoint.init_from_hf must be a model a Hugging
-    Face class holds; one UserError line naming the keys neither does (`architecture`)."""
-    if cfg.checkpoint.init_from_hf:
-        architecture(cfg.model)
+def blockers(m: ModelConfig) -> list[str]:
+    """The model.* settings Llama cannot hold, each as 'model.key=value (why)' (empty: a Llama)."""
+    return [f"model.{k}={getattr(m, k)} ({why})" for k, (v, why) in _LLAMA.items() if getattr(m, k) != v]
 
 
-def architecture(m: ModelConfig) -> str:
-    """'gpt2' or 'llama': the transformers class that holds this model; one-line UserError if none does."""
-    if m.moe_experts:
-        raise UserError(f"this is a Mixture-of-Experts model (model.moe_experts={m.moe_experts}); Hugging Face "
-                        f"GPT-2 and Llama have no experts, so only dense models (moe_experts=0) convert")
-    if not m.beyond_gpt2():
-        return "gpt2"
-    blockers = [f"model.{k}={getattr(m, k)} ({why})" for k, (v, why) in _LLAMA.items() if getattr(m, k) != v]
-    if blockers:
-        raise UserError(f"no Hugging Face class holds this model: LlamaForCausalLM cannot, for "
-                        f"{', '.join(blockers)}; nor can GPT2LMHeadModel, for {', '.join(m.beyond_gpt2())}")
-    return "llama"
+class Mlp(NamedTuple):
+    """How each layer's MLP maps (Llama's dense SwiGLU here; Mixtral's experts in mixtral.py)."""
+    tensors: Callable[[dict, ModelConfig], dict[str, np.ndarray]]  # our stacked MLP -> {HF name in a layer: [L, ...]}
+    shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]  # {HF name in a layer: its shape}
+    params: Callable[[dict[str, np.ndarray], ModelConfig], dict]  # {HF name in a layer: [L, ...]} -> our stacked MLP
 
 
 def _linear(w_L_in_out: np.ndarray, n_in: int) -> np.ndarray:
@@ -96,10 +91,45 @@ def _linear(w_L_in_out: np.ndarray, n_in: int) -> np.ndarray:
     return w_L_in_out.reshape(w_L_in_out.shape[0], n_in, -1).swapaxes(1, 2)
 
 
-def _layer_tensors(blocks: dict, m: ModelConfig) -> dict[str, np.ndarray]:
+def _ours(x_L_out_in: np.ndarray, *shape: int) -> np.ndarray:
+    """torch's [L, ..., out, in] -> our [L, ..., in, *shape] (shape: how `out` splits; default whole)."""
+    x = x_L_out_in.swapaxes(-1, -2)
+    return x.reshape(*x.shape[:-1], *(shape or (x.shape[-1],)))
+
+
+def _dense_tensors(f: dict, m: ModelConfig) -> dict[str, np.ndarray]:
+    out = {"mlp.gate_proj.weight": _linear(f["c_gate_kernel"], m.n_embd),
+           "mlp.up_proj.weight": _linear(f["c_fc_kernel"], m.n_embd),
+           "mlp.down_proj.weight": _linear(f["c_proj_kernel"], m.mlp_width)}
+    if m.bias:
+        out |= {"mlp.gate_proj.bias": f["c_gate_bias"], "mlp.up_proj.bias": f["c_fc_bias"],
+                "mlp.down_proj.bias": f["c_proj_bias"]}
+    return out
+
+
+def _dense_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+    D, F = m.n_embd, m.mlp_width
+    shapes = {"mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+    if m.bias:
+        shapes |= {"mlp.gate_proj.bias": (F,), "mlp.up_proj.bias": (F,), "mlp.down_proj.bias": (D,)}
+    return shapes
+
+
+def _dense_params(hf: dict[str, np.ndarray], m: ModelConfig) -> dict:
+    mlp = {"c_gate_kernel": _ours(hf["mlp.gate_proj.weight"]), "c_fc_kernel": _ours(hf["mlp.up_proj.weight"]),
+           "c_proj_kernel": _ours(hf["mlp.down_proj.weight"])}
+    if m.bias:
+        mlp |= {"c_gate_bias": hf["mlp.gate_proj.bias"], "c_fc_bias": hf["mlp.up_proj.bias"],
+                "c_proj_bias": hf["mlp.down_proj.bias"]}
+    return mlp
+
+
+DENSE = Mlp(_dense_tensors, _dense_shapes, _dense_params)
+
+
+def _layer_tensors(blocks: dict, m: ModelConfig, mlp: Mlp) -> dict[str, np.ndarray]:
     """Our stacked blocks -> {name under model.layers.i: [L, ...HF shape]}."""
-    a, f, D, F, H, K = blocks["attn"], blocks["mlp"], m.n_embd, m.mlp_width, m.n_head, m.head_dim
-    L = m.n_layer
+    a, D, H, K, L = blocks["attn"], m.n_embd, m.n_head, m.head_dim, m.n_layer
     if m.kv_heads == m.n_head:
         q, k, v = (a["c_attn_kernel"][:, :, i] for i in range(3))
         qb, kb, vb = (a["c_attn_bias"][:, i] for i in range(3)) if m.bias else (None,) * 3
@@ -109,48 +139,45 @@ def _layer_tensors(blocks: dict, m: ModelConfig) -> dict[str, np.ndarray]:
     out = {"input_layernorm.weight": blocks["ln_1"]["scale"],
            "post_attention_layernorm.weight": blocks["ln_2"]["scale"],
            "self_attn.q_proj.weight": _linear(q, D), "self_attn.k_proj.weight": _linear(k, D),
-           "self_attn.v_proj.weight": _linear(v, D), "self_attn.o_proj.weight": _linear(a["c_proj_kernel"], H * K),
-           "mlp.gate_proj.weight": _linear(f["c_gate_kernel"], D), "mlp.up_proj.weight": _linear(f["c_fc_kernel"], D),
-           "mlp.down_proj.weight": _linear(f["c_proj_kernel"], F)}
+           "self_attn.v_proj.weight": _linear(v, D), "self_attn.o_proj.weight": _linear(a["c_proj_kernel"], H * K)}
     if m.bias:
         out |= {"self_attn.q_proj.bias": qb.reshape(L, -1), "self_attn.k_proj.bias": kb.reshape(L, -1),
-                "self_attn.v_proj.bias": vb.reshape(L, -1), "self_attn.o_proj.bias": a["c_proj_bias"],
-                "mlp.gate_proj.bias": f["c_gate_bias"], "mlp.up_proj.bias": f["c_fc_bias"],
-                "mlp.down_proj.bias": f["c_proj_bias"]}
-    return out
+                "self_attn.v_proj.bias": vb.reshape(L, -1), "self_attn.o_proj.bias": a["c_proj_bias"]}
+    return out | mlp.tensors(blocks["mlp"], m)
 
 
-def _layer_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(m: ModelConfig, mlp: Mlp) -> dict[str, tuple[int, ...]]:
     """{name under model.layers.i: its HF shape}."""
-    D, F, H, G, K = m.n_embd, m.mlp_width, m.n_head, m.kv_heads, m.head_dim
+    D, H, G, K = m.n_embd, m.n_head, m.kv_heads, m.head_dim
     shapes = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
               "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
-              "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K),
-              "mlp.gate_proj.weight": (F, D), "mlp.up_proj.weight": (F, D), "mlp.down_proj.weight": (D, F)}
+              "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K)}
     if m.bias:
         shapes |= {"self_attn.q_proj.bias": (H * K,), "self_attn.k_proj.bias": (G * K,),
-                   "self_attn.v_proj.bias": (G * K,), "self_attn.o_proj.bias": (D,),
-                   "mlp.gate_proj.bias": (F,), "mlp.up_proj.bias": (F,), "mlp.down_proj.bias": (D,)}
-    return shapes
+                   "self_attn.v_proj.bias": (G * K,), "self_attn.o_proj.bias": (D,)}
+    return shapes | mlp.shapes(m)
 
 
-def to_hf(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Our nested params -> {HF LlamaForCausalLM name: fp32 array}, vocabulary padding removed."""
+def to_hf(params: dict, model_cfg: ModelConfig, mlp: Mlp = DENSE, stack: tuple[str, ...] = ("blocks",)
+          ) -> dict[str, np.ndarray]:
+    """Our nested params -> {HF LlamaForCausalLM name: fp32 array}, vocabulary padding removed.
+    `mlp` and `stack` (where the [L, ...] blocks are in our tree) are Mixtral's in mixtral.py."""
     m = model_cfg
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
-    blocks = {group: {key: np.asarray(x, np.float32) for key, x in sub.items()}
-              for group, sub in params["blocks"].items()}
+    blocks = functools.reduce(operator.getitem, stack, params)
+    blocks = {group: {key: np.asarray(x, np.float32) for key, x in sub.items()} for group, sub in blocks.items()}
     out = {"model.embed_tokens.weight": f32(np.asarray(params["wte"])[: m.vocab_size]),
            "model.norm.weight": f32(params["ln_f"]["scale"])}
     if not m.tie_embeddings:
         out["lm_head.weight"] = f32(np.asarray(params["lm_head"])[: m.vocab_size])
-    for name, stacked in _layer_tensors(blocks, m).items():
+    for name, stacked in _layer_tensors(blocks, m, mlp).items():
         for i in range(m.n_layer):
             out[f"model.layers.{i}.{name}"] = f32(stacked[i])
     return out
 
 
-def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
+def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, mlp: Mlp = DENSE,
+            stack: tuple[str, ...] = ("blocks",)) -> dict:
     """{HF name: array} (LlamaForCausalLM's, or LlamaModel's without "model.") -> our nested params (fp32)."""
     m = model_cfg
     D, H, G, K, pad = m.n_embd, m.n_head, m.kv_heads, m.head_dim, m.padded_vocab - m.vocab_size
@@ -178,16 +205,13 @@ def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
                             "set model.tie_embeddings=true")
         params["lm_head"] = vocab(take("lm_head.weight", (m.vocab_size, D)))
     hf = {name: np.stack([take(f"layers.{i}.{name}", shape) for i in range(m.n_layer)])
-          for name, shape in _layer_shapes(m).items()}
+          for name, shape in _layer_shapes(m, mlp).items()}
     w.finish()
 
-    def ours(name: str, *shape: int) -> np.ndarray:  # torch's [L, out, in] -> our [L, in, *shape]
-        x = hf[f"{name}.weight"].swapaxes(1, 2)
-        return x.reshape(m.n_layer, x.shape[1], *(shape or (-1,)))
-
     L = m.n_layer
-    attn: dict[str, np.ndarray] = {"c_proj_kernel": hf["self_attn.o_proj.weight"].swapaxes(1, 2).reshape(L, H, K, D)}
-    q, k, v = ours("self_attn.q_proj", H, K), ours("self_attn.k_proj", G, K), ours("self_attn.v_proj", G, K)
+    attn: dict[str, np.ndarray] = {"c_proj_kernel": _ours(hf["self_attn.o_proj.weight"]).reshape(L, H, K, D)}
+    q, k, v = (_ours(hf["self_attn.q_proj.weight"], H, K), _ours(hf["self_attn.k_proj.weight"], G, K),
+               _ours(hf["self_attn.v_proj.weight"], G, K))
     bias = {n: hf[f"self_attn.{n}_proj.bias"] for n in "qkv"} if m.bias else {}
     if G == H:
         attn["c_attn_kernel"] = np.stack([q, k, v], axis=2)
@@ -198,15 +222,13 @@ def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig) -> dict:
         if m.bias:
             attn |= {"q_bias": bias["q"].reshape(L, H, K),
                      "kv_bias": np.stack([bias[n].reshape(L, G, K) for n in "kv"], axis=1)}
-    mlp = {"c_gate_kernel": ours("mlp.gate_proj"), "c_fc_kernel": ours("mlp.up_proj"),
-           "c_proj_kernel": ours("mlp.down_proj")}
     if m.bias:
         attn["c_proj_bias"] = hf["self_attn.o_proj.bias"]
-        mlp |= {"c_gate_bias": hf["mlp.gate_proj.bias"], "c_fc_bias": hf["mlp.up_proj.bias"],
-                "c_proj_bias": hf["mlp.down_proj.bias"]}
-    params["blocks"] = {"ln_1": {"scale": hf["input_layernorm.weight"]},
-                        "ln_2": {"scale": hf["post_attention_layernorm.weight"]}, "attn": attn, "mlp": mlp}
-    return params
+    blocks = {"ln_1": {"scale": hf["input_layernorm.weight"]}, "ln_2": {"scale": hf["post_attention_layernorm.weight"]},
+              "attn": attn, "mlp": mlp.params(hf, m)}
+    for key in reversed(stack):
+        blocks = {key: blocks}
+    return params | blocks
 
 
 def hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
@@ -241,32 +263,37 @@ def _rope(hf_cfg: dict[str, Any]) -> tuple[float, str]:
     return theta, kind
 
 
-def model_overrides(hf_cfg: dict[str, Any]) -> dict[str, Any]:
-    """config.json -> the model.* keys it implies, the architecture keys included."""
-    sizes = {ours: hf_cfg.get(key, default) for key, (ours, default) in _SIZES.items()}
-    kv = hf_cfg.get("num_key_value_heads") or sizes["model.n_head"]
-    return sizes | {"model.n_kv_head": kv, "model.rope_theta": _rope(hf_cfg)[0],
-                    "model.tie_embeddings": hf_cfg.get("tie_word_embeddings", False),
-                    "model.bias": hf_cfg.get("attention_bias", False)} | {
+def model_overrides(hf_cfg: dict[str, Any], sizes: dict[str, tuple[str, Any]] = _SIZES) -> dict[str, Any]:
+    """config.json -> the model.* keys it implies, the architecture keys included (`sizes`: the
+    config.json key -> (our key, the class's default) table, Mixtral's in mixtral.py)."""
+    ours = {key: hf_cfg.get(name, default) for name, (key, default) in sizes.items()}
+    kv = hf_cfg.get("num_key_value_heads") or ours["model.n_head"]
+    return ours | {"model.n_kv_head": kv, "model.rope_theta": _rope(hf_cfg)[0],
+                   "model.tie_embeddings": hf_cfg.get("tie_word_embeddings", False),
+                   "model.bias": hf_cfg.get("attention_bias", False)} | {
         f"model.{k}": v for k, (v, _) in _LLAMA.items()}
 
 
-def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
-    """UserError (one line) unless config.json describes exactly the Llama that `m` is."""
+def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path,
+                 overrides: Callable[[dict[str, Any]], dict[str, Any]] = model_overrides,
+                 name: str = "Llama", fixed: Sequence[tuple[str, Any, Any]] = (), eps_default: float = 1e-6) -> None:
+    """UserError (one line) unless config.json describes exactly the Llama (or, with Mixtral's
+    `overrides`, `fixed` (key, value there, the one value jaxgpt holds) and its rms_norm_eps default,
+    the Mixtral) that `m` is."""
     theta, kind = _rope(hf_cfg)
     D, H = hf_cfg.get("hidden_size", 4096), hf_cfg.get("num_attention_heads", 32)
     fixed = [("hidden_act", hf_cfg.get("hidden_act", "silu"), "silu"),
-             ("rms_norm_eps", hf_cfg.get("rms_norm_eps", 1e-6), EPS), ("rope_type", kind, "default"),
+             ("rms_norm_eps", hf_cfg.get("rms_norm_eps", eps_default), EPS), ("rope_type", kind, "default"),
              ("head_dim", hf_cfg.get("head_dim") or D // H, D // H),
-             ("mlp_bias", hf_cfg.get("mlp_bias", False), hf_cfg.get("attention_bias", False))]
+             ("mlp_bias", hf_cfg.get("mlp_bias", False), hf_cfg.get("attention_bias", False)), *fixed]
     for key, have, want in fixed:
         if have != want:
-            raise UserError(f"{source}: {key}={have!r} is not supported (jaxgpt's Llama has {want!r}"
+            raise UserError(f"{source}: {key}={have!r} is not supported (jaxgpt's {name} has {want!r}"
                             + (", as attention_bias: one model.bias for both)" if key == "mlp_bias" else ")"))
+    widths = {"model.n_kv_head": m.kv_heads, "model.mlp_hidden": m.mlp_width, "model.moe_mlp_hidden": m.expert_width}
     wrong = []
-    for key, want in model_overrides(hf_cfg).items():
-        have = getattr(m, key.removeprefix("model."))
-        have = m.kv_heads if key == "model.n_kv_head" else m.mlp_width if key == "model.mlp_hidden" else have
+    for key, want in overrides(hf_cfg).items():
+        have = widths.get(key, getattr(m, key.removeprefix("model.")))
         if (want < have) if key == "model.seq_len" else (want != have):  # a shorter context is the same model
             wrong.append((key, want, have))
     if wrong:

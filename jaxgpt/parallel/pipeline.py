@@ -47,6 +47,10 @@ the same buffer, so after the loop stage 0 holds all M outputs; one reduce-scatt
 (`psum_scatter` of the buffer, zero on the other stages) hands each stage M/S of them for the
 head. That is why M must be a multiple of S.
 
+What a chunk reports besides its output (an MoE chunk's balancing losses and expert load) is
+summed over the stage's real iterations (`totals`), never over bubbles; the caller's psum over pp
+adds the stages (jaxgpt/step.py, pipeline_features).
+
 Bubbles are harmless by construction: a stage's input in a bubble slot is replaced by zeros
 (`where(valid, x, 0)`) before it computes, and bubble outputs are never stored. Masking the input,
 not the output, matters: garbage (even NaN) in an unused slot would otherwise meet a zero
@@ -100,17 +104,21 @@ def vary(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_MbTD: jax.Array,
-        stages: int, repeats: int, bubble_fill: float = 0.0, remat_policy: Callable | None = None) -> jax.Array:
+def run(run_chunk: Callable[[Any, jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]], stage_blocks: Any,
+        x_MbTD: jax.Array, stages: int, repeats: int, bubble_fill: float = 0.0, remat_policy: Callable | None = None,
+        totals: Any = ()) -> tuple[jax.Array, Any]:
     """The S-stage schedule of the module docstring, inside a shard_map manual over 'pp'.
 
-    run_chunk(chunk, x [b, T, D], m) -> x applies C layers (`chunk`: their stacked parameters) to
-    micro-batch m (an int32 index, for what the caller keeps per micro-batch: document masking's
-    documents);
+    run_chunk(chunk, x [b, T, D], m, r) -> (x, adds) applies C layers (`chunk`: their stacked
+    parameters) to micro-batch m on its pass r (int32 indices, for what the caller keeps per
+    micro-batch: document masking's documents; per pass: where an MoE chunk's statistics go);
+    `adds` is a pytree like `totals` (zeros: what the stage sums over its real, non-bubble work;
+    an MoE model's losses and load), () for none.
     stage_blocks: this stage's R chunks, leaves [R*C, ...] (stage-major order); x_MbTD: the
-    embedded micro-batches (read on stage 0). Returns [M, b, T, D], the blocks' outputs, valid on
-    stage 0 only. `bubble_fill` is what the stages' input slots hold before anything arrives
-    (tests set NaN to prove it never reaches a result); `remat_policy`: the model's (model.remat)."""
+    embedded micro-batches (read on stage 0). Returns ([M, b, T, D], the blocks' outputs, valid on
+    stage 0 only; this stage's totals). `bubble_fill` is what the stages' input slots hold before
+    anything arrives (tests set NaN to prove it never reaches a result); `remat_policy`: the
+    model's (model.remat)."""
     S, R, M = stages, repeats, x_MbTD.shape[0]
     s = jax.lax.axis_index("pp")
     ring = [(i, (i + 1) % S) for i in range(S)]
@@ -132,26 +140,29 @@ def run(run_chunk: Callable[[Any, jax.Array], jax.Array], stage_blocks: Any, x_M
         copy (gpt2-1.3b, pp=4, R=2 on H100: 16 GiB more). Everything else is kept as the model's
         remat policy says (an outer checkpoint decides for the blocks' inner one)."""
         chunk = jax.tree.map(lambda p: checkpoint_name(p[r], "chunk"), chunks)
-        return run_chunk(chunk, x_bTD, m)
+        return run_chunk(chunk, x_bTD, m, r)
 
     def iteration(carry, i):
-        buffer_MbTD, received_bTD = carry
+        buffer_MbTD, received_bTD, totals = carry
         valid, r, m = pair(i - s)
         x_bTD = jnp.where(s == 0, buffer_MbTD[m], received_bTD)
         x_bTD = jnp.where(valid, x_bTD, jnp.zeros_like(x_bTD))  # the input, not the output: see above
-        y_bTD = run_pass(chunks, r, x_bTD, m) if R > 1 else run_chunk(stage_blocks, x_bTD, m)
+        y_bTD, adds = run_pass(chunks, r, x_bTD, m) if R > 1 else run_chunk(stage_blocks, x_bTD, m, r)
+        totals = jax.tree.map(lambda t, a: t + jnp.where(valid, a, jnp.zeros_like(a)), totals, adds)
         received_bTD = jax.lax.ppermute(y_bTD, "pp", ring)
         # Stage 0 now holds stage S-1's output of slot i - (S-1): the next pass's input, or a final output.
         back, _, m_back = pair(i - (S - 1))
         keep = back & (s == 0)
         buffer_MbTD = buffer_MbTD.at[m_back].set(jnp.where(keep, received_bTD, buffer_MbTD[m_back]))
-        return (buffer_MbTD, received_bTD), None
+        return (buffer_MbTD, received_bTD, totals), None
 
     axes = tuple(varying_axes(x_MbTD) | {"pp"})
     buffer_MbTD = vary(x_MbTD, axes)
     received_bTD = vary(jnp.full(x_MbTD.shape[1:], bubble_fill, x_MbTD.dtype), axes)
-    (buffer_MbTD, _), _ = jax.lax.scan(iteration, (buffer_MbTD, received_bTD), jnp.arange(R * M + S - 1))
-    return buffer_MbTD
+    totals = jax.tree.map(lambda t: vary(t, axes), totals)
+    (buffer_MbTD, _, totals), _ = jax.lax.scan(iteration, (buffer_MbTD, received_bTD, totals),
+                                               jnp.arange(R * M + S - 1))
+    return buffer_MbTD, totals
 
 
 def scatter_outputs(y_MbTD: jax.Array) -> jax.Array:
