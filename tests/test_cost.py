@@ -204,6 +204,34 @@ def test_replica_groups_read_explicit_and_iota_forms():
     # 16 GPUs in 2 nodes of 8: contiguous blocks of 8 stay inside; stride-8 pairs cross
     assert not cost.spans_nodes("x, replica_groups=[2,8]<=[16], y", 16, 8)
     assert cost.spans_nodes("x, replica_groups=[8,2]<=[2,8]T(1,0), y", 16, 8)
+    # NICs a ring drives at once: the group's fewest GPUs in a node (32 GPUs, 4 nodes of 8)
+    assert cost.ring_nics("x, replica_groups=[8,2]<=[2,8]T(1,0), y", 16, 8) == 1  # one GPU per node
+    assert cost.ring_nics("x, replica_groups=[2,16]<=[32], y", 32, 8) == 8  # two whole nodes
+    assert cost.ring_nics("x, replica_groups=[4,8]<=[8,4]T(1,0), y", 32, 8) == 2  # stride 4: 2 per node
+    assert cost.ring_nics("x, replica_groups={{0,1,2,8}}, y", 16, 8) == 1  # the node holding one GPU limits it
+    # a shard_map's collectives name mesh axes: one group per position on the other axes
+    mesh = "replica_groups=mesh['pp'=1,'dp'=2,'fsdp'=4]"
+    assert cost.replica_groups(f"x, {mesh} {{'dp'}}, y", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert cost.replica_groups(f"x, {mesh} {{'fsdp'}}, y", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert cost.replica_groups(f"x, {mesh}, device_ids=[7,6,5,4,3,2,1,0] {{'dp'}}, y", 8)[0] == [7, 3]
+    dp64 = "x, replica_groups=mesh['pp'=1,'dp'=64,'tp'=1] {'dp'}, y"
+    assert cost.spans_nodes(dp64, 64, 8) and cost.ring_nics(dp64, 64, 8) == 8  # 8 whole nodes: 8 rings
+    dp8 = "x, replica_groups=mesh['dp'=8,'fsdp'=4,'tp'=2] {'dp'}, y"  # stride 8: one GPU in each of 8 nodes
+    assert cost.spans_nodes(dp8, 64, 8) and cost.ring_nics(dp8, 64, 8) == 1
+
+
+def test_search_costs_a_spanning_axis_by_its_gpus_per_node():
+    """plan --search's estimate agrees with cost.ring_nics: fsdp=16 over 2 nodes of 8 rings over 8
+    NICs at once (capped by NVLink), dp=2 with fsdp=8 inside crosses on one NIC per GPU."""
+    from jaxgpt.gpu.perf import perf
+    from jaxgpt.gpu.search import ring_bandwidth
+
+    p = perf("h100")
+    sizes = {"pp": 1, "dp": 1, "fsdp": 16, "cp": 1, "ep": 1, "tp": 1}
+    assert ring_bandwidth(sizes, "fsdp", 8, p) == min(p.link_bytes_per_s, 8 * p.network_bytes_per_s)
+    assert ring_bandwidth({**sizes, "fsdp": 4, "tp": 4}, "fsdp", 8, p) == 2 * p.network_bytes_per_s
+    assert ring_bandwidth({**sizes, "dp": 2, "fsdp": 8}, "dp", 8, p) == p.network_bytes_per_s
+    assert ring_bandwidth({**sizes, "fsdp": 8, "dp": 2}, "fsdp", 8, p) == p.link_bytes_per_s
 
 
 P_NODES = P._replace(gpus_per_node=2, network_bytes_per_s=1e8, link_latency_seconds=1e-7,
@@ -213,8 +241,10 @@ P_NODES = P._replace(gpus_per_node=2, network_bytes_per_s=1e8, link_latency_seco
 def test_a_collective_across_nodes_takes_the_network_and_its_latency():
     line = "ROOT %ar = f32[1000]{0} all-reduce(%g), replica_groups={{0,1,2,3}}, to_apply=%sum"
     text = f"ENTRY %main (g: f32[1000]) -> f32[1000] {{\n  %g = f32[1000]{{0}} parameter(0)\n  {line}\n}}\n"
-    (k,), _ = cost.kernels(text, P_NODES, n_devices=4)  # 4 GPUs in 2 nodes
-    assert k.seconds == pytest.approx(6000 / 1e8 + 6 * 1e-6 + 1e-6)
+    (k,), _ = cost.kernels(text, P_NODES, n_devices=4)  # 4 GPUs in 2 nodes: two rings, one per NIC
+    assert k.seconds == pytest.approx(6000 / 2e8 + 6 * 1e-6 + 1e-6)
+    (k,), _ = cost.kernels(text.replace("{{0,1,2,3}}", "{{0,2},{1,3}}"), P_NODES, n_devices=4)  # one GPU per node
+    assert k.seconds == pytest.approx(4000 / 1e8 + 2 * 1e-6 + 1e-6)
     (k,), _ = cost.kernels(text.replace("{{0,1,2,3}}", "{{0,1},{2,3}}"), P_NODES, n_devices=4)  # inside each node
     assert k.seconds == pytest.approx(4000 / 1e9 + 2 * 1e-7 + 1e-6)  # 2 x (2-1)/2 x 4000 bytes
 
@@ -328,7 +358,8 @@ def test_collective_costs_are_within_20_percent_of_published_nccl_tests_bus_band
     """The model's NVLink and per-NIC constants against the large-message busbw NCCL's maintainers
     publish for H100 nodes (docs/benchmarks.md, "Collectives: the step-time model against published
     nccl-tests figures"): inside a node and over one NIC per GPU the time is within -18%..+7%; a
-    group holding whole nodes is costed at one NIC where NCCL's rings use all 8: far pessimistic."""
+    ring over whole nodes takes all 8 NICs of each (one ring per NIC), 38% optimistic against a
+    user's 256-GPU all-gather that its author calls low (one NIC, before issue 42's fix: +312%)."""
     check = _collective_check()
     rows = check.table("h100")
     assert {r["source"] for r in rows} <= set(check.SOURCES)
@@ -337,7 +368,7 @@ def test_collective_costs_are_within_20_percent_of_published_nccl_tests_bus_band
     for r in one_nic_or_nvlink:
         assert all(abs(e) <= 0.20 for e in r["error"]), r
     whole_nodes = [r for r in rows if r not in one_nic_or_nvlink]
-    assert whole_nodes and all(min(r["error"]) > 1.0 for r in whole_nodes)  # predicted >2x the published time
+    assert whole_nodes and all(-0.45 <= e < 0 for r in whole_nodes for e in r["error"]), whole_nodes
     assert [r["error"] for r in check.table("h200")] == [r["error"] for r in rows]  # the same links
     assert "busbw" in check.format_table(rows).splitlines()[0]
 

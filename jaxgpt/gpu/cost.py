@@ -32,8 +32,11 @@ What a kernel is, and what it costs
 - Collectives: wire bytes (ring algorithms, jaxgpt.hlo) over the link bandwidth of where the
   replica groups live: NVLink when every group lies inside one node (device id // gpus_per_node:
   a deviceless compile numbers the devices in the mesh's process order), the network (InfiniBand /
-  RoCE, one NIC per GPU) when a group spans nodes; each collective also pays the link's latency
-  per ring step (2(n-1) for an all-reduce, n-1 otherwise).
+  RoCE, one NIC per GPU) when a group spans nodes. Across nodes a ring collective (all-reduce,
+  all-gather, reduce-scatter) whose groups hold k GPUs of each node runs k rings, one per NIC:
+  min(NVLink, k x one NIC) (`ring_nics`); an all-to-all cannot aggregate NICs (NCCL's maintainers)
+  and takes one NIC's rate, as a permute does. Each collective also pays the link's latency per
+  ring step (2(n-1) for an all-reduce, n-1 otherwise).
 - Overlap: only where XLA's schedule overlaps. An async collective (`*-start` ... `*-done`) runs
   while the kernels scheduled between its start and its done run; collectives in flight share
   the link in the order they started. What the compute between them covers is hidden; the rest,
@@ -340,9 +343,11 @@ class _Walker:
             axes = mesh_axes(i.line, self.n_devices, self.mesh) if self.mesh else ""
             if n <= 1:
                 return Kernel(i.name, COLLECTIVE, times, 0.0, 0.0, p.launch_seconds, axes)
-            across = spans_nodes(i.line, self.n_devices, p.gpus_per_node)
-            bandwidth, latency = ((p.network_bytes_per_s, p.network_latency_seconds) if across
-                                  else (p.link_bytes_per_s, p.link_latency_seconds))
+            nics = ring_nics(i.line, self.n_devices, p.gpus_per_node) if kind in _RINGS else 1
+            if not spans_nodes(i.line, self.n_devices, p.gpus_per_node):
+                bandwidth, latency = p.link_bytes_per_s, p.link_latency_seconds
+            else:  # one ring per NIC for ring collectives; all-to-all and permutes: each GPU's own NIC
+                bandwidth, latency = min(p.link_bytes_per_s, nics * p.network_bytes_per_s), p.network_latency_seconds
             steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
             return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds,
                           axes)
@@ -408,8 +413,11 @@ class _Walker:
 
 
 def replica_groups(line: str, n_devices: int) -> list[list[int]] | None:
-    """A collective's groups of device ids: explicit ({{0,1},{2,3}}), iota ([G,n]<=[dims]T(perm)) or
+    """A collective's groups of device ids: explicit ({{0,1},{2,3}}), iota ([G,n]<=[dims]T(perm)),
+    over named mesh axes (mesh['a'=2,'b'=4] {'b'}, what collectives inside a shard_map print) or
     every device ({} or none given); None for a form not read here."""
+    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=(\S+))? \{([^}]*)\}", line):
+        return _mesh_form_groups(m.group(1), m.group(2), m.group(3))
     if m := re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line):
         return [[int(x) for x in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
     if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
@@ -430,9 +438,7 @@ def mesh_axes(line: str, n_devices: int, mesh: dict[str, int]) -> str:
     along which the devices of its first replica group (or first source-target pair) differ.
     Device ids are positions in the mesh's device order, as XLA numbers partitions; '?' where the
     groups are in a form not read here."""
-    if m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=(\S+))? \{([^}]*)\}", line):
-        group = _mesh_form_group(m.group(1), m.group(2), m.group(3))
-    elif m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
+    if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
         group = [int(m.group(1)), int(m.group(2))]
     else:
         groups = replica_groups(line, n_devices)
@@ -452,21 +458,22 @@ def mesh_axes(line: str, n_devices: int, mesh: dict[str, int]) -> str:
     return "+".join(a for k, a in enumerate(names) if len({c[k] for c in at}) > 1) or "none"
 
 
-def _mesh_form_group(axes: str, device_ids: str | None, named: str) -> list[int] | None:
-    """The first group of `replica_groups=mesh['a'=2,'b'=4] {'b'}`: the devices along the named
-    axes of XLA's own mesh (its names need not be ours: the partitioner writes 'axis_0', ...),
-    the others at 0; through `device_ids=[...]` where given."""
+def _mesh_form_groups(axes: str, device_ids: str | None, named: str) -> list[list[int]] | None:
+    """The groups of `replica_groups=mesh['a'=2,'b'=4] {'b'}`: the devices along the named axes of
+    XLA's own mesh (its names need not be ours: the partitioner writes 'axis_0', ...), one group
+    per position on the others; through `device_ids=[...]` where given."""
     sizes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'=(\d+)", axes)]
     along = set(re.findall(r"'([^']+)'", named))
     strides = [math.prod(n for _, n in sizes[k + 1:]) for k in range(len(sizes))]
-    group = [sum(i * strides[k] for k, i in enumerate(idx))
-             for idx in _indices([n if a in along else 1 for a, n in sizes])]
+    members = _indices([n if a in along else 1 for a, n in sizes])
+    groups = [[sum((o + i) * strides[k] for k, (o, i) in enumerate(zip(start, idx, strict=True))) for idx in members]
+              for start in _indices([1 if a in along else n for a, n in sizes])]
     if device_ids:
         ids = [int(x) for x in re.findall(r"\d+", device_ids)]
         if len(ids) != math.prod(n for _, n in sizes):
             return None
-        group = [ids[g] for g in group]
-    return group
+        groups = [[ids[d] for d in g] for g in groups]
+    return groups
 
 
 def _indices(dims: list[int]) -> list[tuple[int, ...]]:
@@ -475,6 +482,20 @@ def _indices(dims: list[int]) -> list[tuple[int, ...]]:
     for d in dims:
         out = [idx + (j,) for idx in out for j in range(d)]
     return out
+
+
+_RINGS = ("all-reduce", "all-gather", "reduce-scatter")  # what NCCL runs as rings, one per NIC across nodes
+
+
+def ring_nics(line: str, n_devices: int, gpus_per_node: int) -> int:
+    """The NICs a ring collective over this op's replica groups drives at once where they span
+    nodes: NCCL runs one ring per NIC, so a group with k of its GPUs in every node it touches
+    sends k NICs' worth (the fewest over its nodes and groups; unknown forms: 1)."""
+    groups = replica_groups(line, n_devices)
+    if groups is None:
+        return 1
+    per_node = [collections.Counter(d // gpus_per_node for d in g) for g in groups]
+    return max(1, min(min(c.values()) for c in per_node))
 
 
 def spans_nodes(line: str, n_devices: int, gpus_per_node: int) -> bool:

@@ -43,8 +43,8 @@ class Perf(NamedTuple):
     # through a NIC and a switch. From the data sheets; against the large-message busbw NCCL's
     # maintainers publish for H100 nodes (scripts/collective_check.py, docs/benchmarks.md
     # "Collectives: ...") the time is within -18%..+7% inside a node and -8%..-2% over one NIC per
-    # GPU, but a group holding several GPUs of each node is charged one NIC where NCCL uses one per
-    # GPU (4x too slow against a 256-GPU all-gather). The latencies are unchecked.
+    # GPU; a ring over k GPUs of each node drives k NICs (cost.ring_nics), 38% optimistic against a
+    # user's 256-GPU all-gather its author calls low. The latencies are unchecked.
     gpus_per_node: int = 8
     network_bytes_per_s: float = 50e9
     link_latency_seconds: float = 0.0

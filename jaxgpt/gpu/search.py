@@ -16,7 +16,8 @@ from the config and its overrides. The search has three stages:
    memory (the state and the activations the policy saves, `activation_bytes`) fits, then by a
    rough step time (FLOPs at a typical efficiency, recompute, the pipeline bubble, a per-kernel
    overhead per micro-batch, and the ring traffic of tp, fsdp and dp over NVLink inside a node or
-   the network between nodes), and the policies take turns (`pick`).
+   between nodes one NIC per GPU of the group in each node, `ring_bandwidth`), and the policies
+   take turns (`pick`).
 3. Compile the first `--compile-top` of that order with XLA:GPU for compile-only GPUs (the real
    train step, jaxgpt.plan), drop those whose compiled peak memory exceeds the GPU's, and rank the
    rest by the step-time model's prediction (jaxgpt/gpu/cost.py); a candidate XLA cannot compile
@@ -109,11 +110,24 @@ def candidates(cfg: Config, n: int, gpus_per_node: int) -> list[Candidate]:
     return out
 
 
+def _stride(sizes: dict[str, int], axis: str) -> int:
+    """Device-id distance between neighbours of an `axis` group: the mesh is cut from devices in
+    process order (distributed.py), so it is the product of the sizes of the axes after it."""
+    return math.prod(sizes.get(a, 1) for a in MeshConfig.AXES[MeshConfig.AXES.index(axis) + 1:])
+
+
 def inside_node(sizes: dict[str, int], axis: str, gpus_per_node: int) -> bool:
-    """Whether each group of `axis` lies inside one node: the mesh is cut from devices in process
-    order (distributed.py), so an axis's group spans its size times the sizes of the axes after it."""
-    stride = math.prod(sizes.get(a, 1) for a in MeshConfig.AXES[MeshConfig.AXES.index(axis) + 1:])
-    return stride * sizes[axis] <= gpus_per_node
+    """Whether each group of `axis` lies inside one node (it spans its size times its stride)."""
+    return _stride(sizes, axis) * sizes[axis] <= gpus_per_node
+
+
+def ring_bandwidth(sizes: dict[str, int], axis: str, gpus_per_node: int, p: Perf) -> float:
+    """Bytes/s of a ring collective over `axis`: NVLink inside a node; across nodes one NIC per
+    GPU of the group in each node, NCCL's rings running side by side (cost.ring_nics), at most NVLink."""
+    if inside_node(sizes, axis, gpus_per_node):
+        return p.link_bytes_per_s
+    per_node = max(1, min(sizes[axis], gpus_per_node // _stride(sizes, axis)))
+    return min(p.link_bytes_per_s, per_node * p.network_bytes_per_s)
 
 
 def _ring(k: int) -> float:
@@ -156,7 +170,7 @@ def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str
     M = pipeline_microbatches(c.config(cfg), s)
     compute *= 1 + (s["pp"] - 1) / (cfg.pipeline.repeats * M)
     overhead = c.grad_accum * M * layers * KERNELS_PER_LAYER * 5e-6
-    link = {a: p.link_bytes_per_s if inside_node(s, a, gpus_per_node) else p.network_bytes_per_s for a in s}
+    link = {a: ring_bandwidth(s, a, gpus_per_node, p) for a in s}
     comm = 0.0
     if s["tp"] > 1:  # 4 all-reduces of the activations per layer and micro-batch (2 forward, 2 backward)
         act = rows * m.seq_len * m.n_embd * 2
