@@ -569,9 +569,6 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if m.moe_dispatch == "dropless" and m.fp8_linears() & {"expert_in", "expert_gate", "expert_out"}:
             raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
                             "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")
-        if cfg.checkpoint.init_from_hf:
-            raise UserError("checkpoint.init_from_hf loads GPT-2 weights, which have no experts; "
-                            "set model.moe_experts=0 or drop init_from_hf")
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")

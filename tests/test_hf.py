@@ -6,7 +6,9 @@ where torch and transformers are installed, against `GPT2LMHeadModel` itself).""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import operator
 from pathlib import Path
 
 import jax
@@ -235,22 +237,24 @@ def test_transformers_loads_the_export(model, tmp_path):
 LLAMA_KEYS = ("model.norm=rmsnorm", "model.position=rope", "model.mlp=swiglu", "model.bias=false", "model.n_kv_head=2")
 
 
-@pytest.mark.parametrize("arch, keys, weights", [
-    ("gpt2", (), ("mlp", "c_fc_kernel")),
-    ("llama", LLAMA_KEYS, ("attn", "kv_kernel")),  # grouped-query k/v, exported as LlamaForCausalLM
+@pytest.mark.parametrize("arch, keys, weights, mesh", [
+    ("gpt2", (), ("blocks", "mlp", "c_fc_kernel"), "fsdp=4,tp=2"),
+    ("llama", LLAMA_KEYS, ("blocks", "attn", "kv_kernel"), "fsdp=4,tp=2"),  # grouped-query k/v: LlamaForCausalLM
+    ("mixtral", (*LLAMA_KEYS, "model.moe_experts=4"), ("groups", "moe", "mlp", "c_gate_kernel"), "dp=2,ep=4"),
 ])
-def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir, arch, keys, weights):
-    """checkpoint.init_from_hf: the first step of a new run uses exactly the imported weights."""
+def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir, arch, keys, weights, mesh):
+    """checkpoint.init_from_hf: the first step of a new run uses exactly the imported weights
+    (Mixtral's experts split over ep)."""
     source = tmp_path / "source"
     train(tiny_config("train.steps=3", *keys, mesh="dp=8"), source)
     export(source, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == arch
     run = tmp_path / "finetune"
     state = train(tiny_config("train.steps=1", *keys, f"checkpoint.init_from_hf={tmp_path / 'hf'}",
-                              "optimizer.lr=1e-12", mesh="fsdp=4,tp=2"), run)
+                              "optimizer.lr=1e-12", mesh=mesh), run)
     want = load_dir(tmp_path / "hf", tiny_config(*keys).model)
-    layer, name = weights
-    np.testing.assert_allclose(np.asarray(state.params["blocks"][layer][name]), want["blocks"][layer][name], atol=1e-9)
+    got = functools.reduce(operator.getitem, weights, state.params)
+    np.testing.assert_allclose(np.asarray(got), functools.reduce(operator.getitem, weights, want), atol=1e-9)
     assert int(state.step) == 1 and read_metrics(run)[-1]["step"] == 1
 
 

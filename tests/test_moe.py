@@ -232,7 +232,6 @@ def test_hf_export_refuses_moe_in_one_line(ep_run, tmp_path):
     (["model.moe_experts=6"], "dp=2,ep=4", r"the ep axis \(4\) does not divide model.moe_experts=6"),
     (["model.moe_experts=4", "model.moe_every=3"], "dp=8", "model.moe_every=3 does not divide model.n_layer=4"),
     (["train.batch_size=4", "model.moe_experts=8"], "dp=1,ep=8", "does not split over dp x fsdp x ep = 8"),
-    (["model.moe_experts=4", "checkpoint.init_from_hf=x"], "dp=8", "GPT-2 weights, which have no experts"),
     (["model.moe_capacity_factor=0"], "dp=8", "model.moe_capacity_factor must be > 0"),
     (["model.moe_experts=-1"], "dp=8", "model.moe_experts must be >= 0"),
     (["model.moe_experts=4", "model.moe_dispatch=dropless", "model.fp8=true"], "dp=8",
