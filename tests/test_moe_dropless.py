@@ -91,7 +91,7 @@ def one_device():
 
 
 @pytest.mark.parametrize("layout, overrides", [("dp=2,ep=4", ("train.grad_accum=2",)), ("fsdp=2,ep=2", ()),
-                                               ("ep=2,tp=2", ()), ("pp=2,ep=4", ())])
+                                               ("ep=2,tp=2", ()), ("pp=2,ep=4", ("train.grad_accum=2",))])
 def test_dropless_and_bias_layouts_match_one_device(one_device, layout, overrides):
     """Dropless routing, shared and fine-grained experts and the bias balancing: every layout takes
     the same losses and moves the routing bias the same way (the loads are exact dyadic fractions,
