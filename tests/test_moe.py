@@ -1,6 +1,7 @@
 """Mixture of Experts (jaxgpt/model/moe.py) and the ep mesh axis: layouts train the same model, routing
 and its losses match a NumPy reference, experts are split over ep, the step holds all-to-alls,
-checkpoints move between ep layouts, sampling works and HF export refuses. 8 fake CPU devices, fp32."""
+checkpoints move between ep layouts, sampling works and HF export refuses a GPT-2-shaped MoE model (Mixtral holds
+Llama-shaped ones: tests/test_hf.py). 8 fake CPU devices, fp32."""
 
 from __future__ import annotations
 
