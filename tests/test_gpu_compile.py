@@ -46,6 +46,8 @@ TINY_LAYOUTS = {
     "ep8_moe_dropless_bias_accum2": ("ep=8", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2",
                                               "model.moe_dispatch=dropless", "model.moe_balance=bias",
                                               "model.moe_shared_experts=1", "model.moe_mlp_hidden=64"]),
+    "pp2_ep4_moe_dropless_bias_accum2": ("pp=2,ep=4", ["model.moe_experts=8", "model.moe_top_k=2", "train.grad_accum=2",
+                                                      "model.moe_dispatch=dropless", "model.moe_balance=bias"]),
     "pp2_dp2_tp2": ("pp=2,dp=2,tp=2", ["model.n_layer=4"]),
     "pp2_fsdp4_circular_accum2_remat_full_fp8": ("pp=2,fsdp=4", ["model.n_layer=4", "pipeline.repeats=2",
                                                                  "train.grad_accum=2", "model.remat=full", FP8]),
@@ -121,6 +123,16 @@ def test_one_expert_per_device_compiles_with_ragged_all_to_alls(tiny):
     text = tiny["ep8_moe_dropless_bias_accum2"]
     assert "ragged-all-to-all" in text
     assert any("ragged-all-to-all" in body for body in while_bodies(text))
+
+
+@needs_plugin
+def test_moe_pipeline_stages_route_tokens_with_ragged_all_to_alls(tiny):
+    """MoE x pp (each stage's experts over ep=4, dropless, bias balancing): the stage shift is a
+    collective-permute and the tokens reach their experts by ragged all-to-alls, both inside the
+    schedule's loops."""
+    bodies = while_bodies(tiny["pp2_ep4_moe_dropless_bias_accum2"])
+    assert any(collectives(body)["collective-permute"] >= 1 for body in bodies)
+    assert any("ragged-all-to-all" in body for body in bodies)
 
 
 @needs_plugin
