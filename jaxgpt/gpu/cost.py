@@ -343,10 +343,10 @@ class _Walker:
             axes = mesh_axes(i.line, self.n_devices, self.mesh) if self.mesh else ""
             if n <= 1:
                 return Kernel(i.name, COLLECTIVE, times, 0.0, 0.0, p.launch_seconds, axes)
-            nics = ring_nics(i.line, self.n_devices, p.gpus_per_node) if kind in _RINGS else 1
             if not spans_nodes(i.line, self.n_devices, p.gpus_per_node):
                 bandwidth, latency = p.link_bytes_per_s, p.link_latency_seconds
             else:  # one ring per NIC for ring collectives; all-to-all and permutes: each GPU's own NIC
+                nics = ring_nics(i.line, self.n_devices, p.gpus_per_node) if kind in _RINGS else 1
                 bandwidth, latency = min(p.link_bytes_per_s, nics * p.network_bytes_per_s), p.network_latency_seconds
             steps = 2 * (n - 1) if kind == "all-reduce" else n - 1
             return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds,

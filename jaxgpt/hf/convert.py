@@ -49,8 +49,9 @@ WEIGHTS, CONFIG, GENERATION_CONFIG = "model.safetensors", "config.json", "genera
 
 
 class Format(NamedTuple):
-    """One transformers class: the tensor mapping both ways and what config.json says."""
+    """One transformers class: its name, the tensor mapping both ways and what config.json says."""
     name: str
+    architecture: str  # the class's name in config.json's `architectures`
     to_hf: Callable[[dict, ModelConfig], dict[str, np.ndarray]]
     from_hf: Callable[[dict[str, np.ndarray], ModelConfig], dict]
     hf_config: Callable[[ModelConfig], dict[str, Any]]
@@ -59,19 +60,19 @@ class Format(NamedTuple):
     config_shape: dict[str, Any]
 
 
-FORMATS = {"gpt2": Format("GPT-2", gpt2.to_hf, gpt2.from_hf, gpt2.hf_config, gpt2.model_overrides,
-                           gpt2.check_config, gpt2.CONFIG_SHAPE),
-           "llama": Format("Llama", llama.to_hf, llama.from_hf, llama.hf_config, llama.model_overrides,
-                           llama.check_config, llama.CONFIG_SHAPE),
-           "mixtral": Format("Mixtral", mixtral.to_hf, mixtral.from_hf, mixtral.hf_config, mixtral.model_overrides,
-                             mixtral.check_config, mixtral.CONFIG_SHAPE)}
-_ARCHITECTURES = {"llama": llama.ARCHITECTURE, "mixtral": mixtral.ARCHITECTURE}  # gpt2 without model_type either
+def _format(name: str, module: Any) -> Format:
+    """The Format of one mapping module (gpt2.py, llama.py, mixtral.py: the same public names)."""
+    return Format(name, module.ARCHITECTURE, module.to_hf, module.from_hf, module.hf_config, module.model_overrides,
+                  module.check_config, module.CONFIG_SHAPE)
+
+
+FORMATS = {"gpt2": _format("GPT-2", gpt2), "llama": _format("Llama", llama), "mixtral": _format("Mixtral", mixtral)}
 
 
 def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
     """config.json's model_type (or, without one, its architectures) -> the Format that reads it."""
     files.check_shape(hf_cfg, f"Hugging Face config {source}", optional={"model_type": str, "architectures": list})
-    default = next((kind for kind, name in _ARCHITECTURES.items() if name in hf_cfg.get("architectures", [])), "gpt2")
+    default = next((kind for kind, f in FORMATS.items() if f.architecture in hf_cfg.get("architectures", [])), "gpt2")
     kind = hf_cfg.get("model_type", default)
     if kind not in FORMATS:
         raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2, Llama and Mixtral (model_type gpt2, llama or mixtral)")
