@@ -14,8 +14,13 @@
 #   parity   cuDNN flash attention vs the reference, forward and gradients (tests/test_kernels.py
 #            with JAXGPT_TEST_GPU=1, so the cuDNN case runs instead of being skipped)
 #   plan     python -m jaxgpt.plan for gpt2-124m and gpt2-1.3b against this GPU's memory
-#   bench124 scripts/benchmark.py, gpt2-124m at 1024 context: xla vs cudnn attention, fp8 off/on
-#   bench13  the same for gpt2-1.3b at 2048 context (remat=auto, as configured)
+#   bench124 scripts/benchmark.py, gpt2-124m as bundled: bf16 (cuDNN attention, the default) and fp8
+#   bench13  the same for gpt2-1.3b at 2048 context
+#   heldout  two steps the step-time model was never fit on (issue 40 item 3): gpt2-350m-shaped
+#            (24 x 1024, 8 micro-batches) and llama-1b (one micro-batch of 64 x 2048, as bundled)
+#   slice    llama-8b's 4-layer slice (one micro-batch of 8 x 8192, as bundled): bf16 and fp8
+#   auto     model.fp8=auto on gpt2-124m, gpt2-1.3b and the slice (issue 38: never slower than bf16;
+#            where plan says auto chose no layer, or every one, it is the bf16 or the fp8 program)
 #   profile  scripts/profile_step.py for gpt2-124m and gpt2-1.3b as bundled: a jax.profiler trace of 3
 #            steps, the measured time per group next to jaxgpt/gpu/cost.py's prediction, top kernels
 #   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
@@ -30,7 +35,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_checks}
 shift || true
-GROUPS_TO_RUN=${*:-parity plan bench124 bench13 profile fp8loss}
+GROUPS_TO_RUN=${*:-parity plan bench124 bench13 heldout slice auto profile fp8loss}
 PY=${PYTHON:-python}
 LIMIT=${STEP_TIMEOUT:-600}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU: --mesh dp=1 must cover every device
@@ -55,7 +60,7 @@ bench() {  # bench NAME ARGS...: one scripts/benchmark.py run, its row appended 
     echo "| config | mesh | devices | compile s | step ms (p10-p90) | tokens/s | MFU | mem/device MiB | collective MiB/step | faults/step | input tokens/s |" >>"$OUT/summary.md"
     echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" >>"$OUT/summary.md"
   fi
-  if step "$name" "$PY" scripts/benchmark.py --name "$name" --json "$OUT/$name.json" --steps 10 --warmup 2 "$@"; then
+  if step "$name" "$PY" scripts/benchmark.py --name "$name" --json "$OUT/$name.json" --steps "${BENCH_STEPS:-10}" --warmup "${BENCH_WARMUP:-2}" "$@"; then
     grep '^|' "$OUT/$name.txt" >>"$OUT/summary.md"
     "$PY" -c 'import json,sys; r=json.load(open(sys.argv[1])); print("  %s: attention=%s gemm_calls=%s mem_peak_GiB=%.1f" % (sys.argv[2], r["attention"], r["gemm_calls"], r["memory"]["peak"] / 2**30))' \
       "$OUT/$name.json" "$name" | tee -a "$OUT/kernels.md"
@@ -79,15 +84,22 @@ for group in $GROUPS_TO_RUN; do
       step plan-124m "$PY" -m jaxgpt.plan --config gpt2-124m
       step plan-1.3b "$PY" -m jaxgpt.plan --config gpt2-1.3b ;;
     bench124)
-      for attn in xla cudnn; do
-        bench "124m-$attn" --config gpt2-124m --mesh dp=1 "model.attention=$attn"
-      done
-      bench 124m-cudnn-fp8 --config gpt2-124m --mesh dp=1 model.attention=cudnn model.fp8=true ;;
+      bench 124m-bf16 --config gpt2-124m --mesh dp=1
+      bench 124m-fp8 --config gpt2-124m --mesh dp=1 model.fp8=true ;;
     bench13)
-      for attn in xla cudnn; do
-        bench "1.3b-$attn" --config gpt2-1.3b --mesh dp=1 "model.attention=$attn"
-      done
-      bench 1.3b-cudnn-fp8 --config gpt2-1.3b --mesh dp=1 model.attention=cudnn model.fp8=true ;;
+      bench 1.3b-bf16 --config gpt2-1.3b --mesh dp=1
+      bench 1.3b-fp8 --config gpt2-1.3b --mesh dp=1 model.fp8=true ;;
+    heldout)
+      bench 350m-bf16 --config gpt2-124m --mesh dp=1 model.n_layer=24 model.n_embd=1024 model.n_head=16 train.grad_accum=8
+      bench llama1b-bf16 --config llama-1b --mesh dp=1 train.batch_size=64 train.grad_accum=1 ;;
+    slice)
+      for fp8 in false true; do
+        bench "slice-fp8-$fp8" --config llama-8b --mesh dp=1 model.n_layer=4 train.batch_size=8 train.grad_accum=1 "model.fp8=$fp8"
+      done ;;
+    auto)
+      bench 124m-auto --config gpt2-124m --mesh dp=1 model.fp8=auto
+      bench 1.3b-auto --config gpt2-1.3b --mesh dp=1 model.fp8=auto
+      bench slice-fp8-auto --config llama-8b --mesh dp=1 model.n_layer=4 train.batch_size=8 train.grad_accum=1 model.fp8=auto ;;
     profile)
       step profile-124m "$PY" scripts/profile_step.py --config gpt2-124m --mesh dp=1 --out "$OUT/trace-124m" --top 40
       step profile-1.3b "$PY" scripts/profile_step.py --config gpt2-1.3b --mesh dp=1 --out "$OUT/trace-1.3b" --top 40 ;;
@@ -107,7 +119,7 @@ for group in $GROUPS_TO_RUN; do
         other=$(final_loss "$runs/fp8-false-seed1") &&
         "$PY" -c 'import sys; a,b,c=map(float,sys.argv[1:]); print(f"fp8 vs bf16 final loss: {b:.4f} vs {a:.4f}, gap {100*abs(b-a)/a:.2f}% (goal < 1%); bf16 seed 0 vs 1: {a:.4f} vs {c:.4f}, spread {100*abs(c-a)/a:.2f}%")' \
           "$bf16" "$fp8" "$other" | tee -a "$OUT/kernels.md" ;;
-    *) echo "unknown group $group (parity plan bench124 bench13 profile fp8loss)" >&2; exit 2 ;;
+    *) echo "unknown group $group (parity plan bench124 bench13 heldout slice auto profile fp8loss)" >&2; exit 2 ;;
   esac
 done
 { echo; cat "$OUT/kernels.md"; } >>"$OUT/summary.md"
