@@ -66,7 +66,7 @@ def h100s() -> list:
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
     """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'gpt2_one_gpu' and 'modern' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
+    'gpt2_one_gpu' (bf16 and fp8) and 'modern' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
     them. Lowered one at a time (tracing holds the GIL), compiled in threads (XLA:GPU's compile
     mostly runs on one core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
@@ -74,6 +74,7 @@ def compiled(h100s) -> dict[str, Compiled]:
     jobs |= {mesh: (lower_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100"), None)
              for mesh in ("dp=8", "fsdp=8")}
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
+    jobs["gpt2_one_gpu_fp8"] = lower_step(load_config("gpt2-124m", [*GPT2_ONE_GPU, FP8], "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["documents"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["context"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,cp=2,tp=2"), h100s, "h100"), None
@@ -202,6 +203,23 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 1)] * L + [(2, 1)] * L, gelu
 
 
+@needs_plugin
+def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
+    """gpt2-124m's micro-batch on one H100 with model.fp8=true (128 x 1,024 rows, D=768, F=3072):
+    every f8 copy of an activation or gradient is cast from a bf16 array, none from fp32, and no
+    kernel writes an fp32 [rows, D] or [rows, F] array. Before power-of-two scales every fp8 GEMM
+    wrote fp32 for the next fusion to rescale; without `quantize(pin=True)` on the incoming
+    gradient XLA:GPU dropped the GELU backward's rounding and wrote dh in fp32 (1.6 GB a layer and
+    micro-batch) for the e5m2 cast to read back (jaxgpt/model/fp8.py)."""
+    text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
+    rows, D, F = 128 * 1024, 768, 3072
+    for n in (rows * D, rows * F):
+        arrays = _arrays_of(text, n)
+        casts = [k for k in arrays if any(t.startswith("f8") for t in k[3][k[1]:])]
+        assert casts and not [k for k in casts if "f32" in k[3][:k[1]]], casts
+        assert not [k for k in arrays if "f32" in k[3][k[1]:]], arrays
+
+
 def _gathered(text: str) -> list[tuple[str, str]]:
     """(element type, dims) of every array an all-gather returns, e.g. ('bf16', '768,3072')."""
     out = []
@@ -266,11 +284,16 @@ def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
     """A real H100's autotuner picks cuBLASLt for the fp8 GEMMs (144 calls in gpt2-124m's measured
     step), so a step with fp8 is compiled with Triton GEMMs off (jaxgpt.gpu.target.FP8_OPTIONS):
     every block GEMM is a cuBLASLt fp8 call, `__cublas$lt$matmul$f8`, and the target description
-    carries the CUDA toolkit version that the rewrite needs."""
+    carries the CUDA toolkit version that the rewrite needs. Each call writes the compute dtype
+    (bf16), rounded once inside the GEMM, not an fp32 result for the next fusion to rescale and
+    cast (power-of-two scales, jaxgpt/model/fp8.py)."""
     text = tiny["dp8_accum2_fp8"]
     assert _block_gemms(text) == {(layer, role): n for layer in ("qkv", "attn_out", "mlp_in", "mlp_out")
                                   for role, n in (("forward", 1), ("backward", 2))}
     assert text.count('custom_call_target="__cublas$lt$matmul$f8"') == 12
+    results = re.findall(r"= \((\w+)\[[\d,]*\]\{[\d,]*\}, s8\[\d+\]\{0\}\) custom-call\([^)]*\), "
+                         r'custom_call_target="__cublas\$lt\$matmul\$f8"', text)
+    assert results == ["bf16"] * 12, results
 
 
 def _block_weights(cfg, tp: int) -> dict[str, tuple[int, ...]]:

@@ -4,8 +4,9 @@ fp8 halves a GEMM's time where it is compute-bound, but every fp8 GEMM needs its
 quantized (jaxgpt/model/fp8.py): an amax reduction and a scaled cast per operand, and the
 transposed f8 copies cuBLASLt's fp8 kernels need (jaxgpt/gpu/target.py FP8_OPTIONS). That work
 is memory-bound and grows with the operands (M x K + K x N + M x N elements), the saving with
-the FLOPs (M x N x K), so fp8 pays on wide layers and loses on narrow ones: gpt2-124m in fp8 is
-0.82x bf16 on an H100, gpt2-1.3b 1.055x (measured, docs/benchmarks.md).
+the FLOPs (M x N x K), so fp8 pays on wide layers and loses on narrow ones: gpt2-124m in fp8 was
+0.835x bf16 on an H100, gpt2-1.3b 1.067x and the llama-8b slice 1.21x (measured 2026-11-27, before
+the fp8 GEMMs wrote bf16; docs/benchmarks.md).
 
 The choice is per linear kind (the named scopes of `fp8.linear`: qkv, attn_out, mlp_in, mlp_gate,
 mlp_out and the experts' three), from the shapes alone, so that it needs no compile and is the
@@ -18,19 +19,25 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
     fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
             + (M K + K N + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
 
-and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM's result is
-f32 (XLA:GPU's cuBLASLt fp8 calls in these programs write f32 and rescale and cast it in the next
-fusion), so it moves more bytes than a bf16 GEMM. With that, each kind's GEMM time, bf16 and fp8,
-is the compiled program's to 0.1 ms (gpt2-124m and gpt2-1.3b on an H100: docs/benchmarks.md, "fp8
-in the step-time model"; tests/test_fp8_choice.py). QUANT_BYTES: 7 bytes an element would do (read
-for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), but XLA:GPU's programs move
-more: an amax fusion recomputes the operand's producer (the LayerNorm before qkv and mlp_in, the
-GELU before mlp_out), and the consumers read the f32 GEMM results. What fp8=true adds outside the
-GEMMs in the compiled gpt2-124m and gpt2-1.3b steps (the step less its GEMMs, against bf16's;
-docs/benchmarks.md, "model.fp8=auto") is 9.0 and 9.4 bytes an element of this count after the
-launches; 9.5, rounded up so that a close call goes to bf16. It is read off the step-time model's
-programs, not refit against a GPU. Collective traffic is left out: fsdp's all-gathers of e4m3
-weights move half the bytes, which only favours fp8 more than estimated.
+and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
+result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/model/fp8.py). With
+that, each kind's GEMM time, bf16 and fp8, is the compiled program's to 0.1 ms (gpt2-124m and
+gpt2-1.3b on an H100: docs/benchmarks.md; tests/test_fp8_choice.py). QUANT_BYTES: 7 bytes an
+element would do (read for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), and
+XLA:GPU's programs move less: an amax is taken in the fusion that produces its operand where it
+can be (the GELU's, the gradients' with `quantize(pin=True)`), or recomputes a LayerNorm instead of
+reading its output. What fp8=true adds outside
+the GEMMs in the compiled gpt2-124m and gpt2-1.3b steps (the step less its GEMMs, against bf16's;
+docs/benchmarks.md, "fp8 GEMMs write bf16"), for qkv, mlp_in and mlp_out, is 5.1 and 5.2 bytes an
+element of this count after the launches; 5.5, rounded up so that a close call goes to bf16 (it was
+9.5 while the fp8 GEMMs wrote fp32 for the consumers to read back). attn_out is the exception in
+those GPT-2 steps: 10.6 and 14.2 bytes an element (its fp8 step against the same step with
+attn_out in bf16), so BIASED_ATTN_OUT_QUANT_BYTES = 14.5 there; in the Llama-shaped llama-8b slice
+(no biases) attn_out in fp8 gains 12.7 ms compiled, 11.3 estimated at 6.5 bytes, so the common
+constant holds. Why GPT-2's attn_out moves more is not established; the bias (its gradient's
+column sum beside the e5m2 cast of the same gradient) is the difference the constant is keyed on.
+These are read off the step-time model's programs, not refit against a GPU. Collective traffic is left out: fsdp's all-gathers of e4m3 weights move half
+the bytes, which only favours fp8 more than estimated.
 
 Where the model is not told a GPU (a CPU run, a plan without --target, a GPU other than an H100 or
 H200) auto is bf16 everywhere, and says so.
@@ -46,7 +53,8 @@ from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
 
-QUANT_BYTES = 9.5    # HBM bytes per operand element an fp8 GEMM's quantization moves (module docstring)
+QUANT_BYTES = 5.5    # HBM bytes per operand element an fp8 GEMM's quantization moves (module docstring)
+BIASED_ATTN_OUT_QUANT_BYTES = 14.5  # the same for attn_out in a model with biases (GPT-2's; module docstring)
 QUANT_KERNELS = 10   # its kernels per use: three amax reductions and their scalars, casts, transposed copies
 
 
@@ -109,10 +117,10 @@ def linear_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[list[Sh
 
 
 def _gemm(batch: int, m: int, k: int, n: int, fp8: bool, p: Perf) -> float:
-    """One GEMM as cost.py costs it: bf16 operands and result, or f8 operands and an f32 result (what
-    XLA:GPU's cuBLASLt fp8 calls write in these programs; the rescale and cast follow in a fusion)."""
+    """One GEMM as cost.py costs it: bf16 or f8 operands, and a result in the compute dtype (bf16),
+    which cuBLASLt's fp8 calls write directly (jaxgpt/model/fp8.py `scaled_dot`)."""
     g = cost.Gemm(batch, m, n, k, fp8, "", batch > 1)
-    operand, result = (1, 4) if fp8 else (2, 2)
+    operand, result = (1, 2) if fp8 else (2, 2)
     return cost.gemm_seconds(g, batch * (operand * (m * k + k * n) + result * m * n), p)
 
 
@@ -121,15 +129,20 @@ def gemm_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
     return sum(_gemm(s.batch, *mkn, fp8, p) for s in gemms for mkn in ((s.m, s.k, s.n), (s.m, s.n, s.k), (s.k, s.m, s.n)))
 
 
-def quantize_seconds(gemms: list[Shape], p: Perf) -> float:
+def quantize_seconds(gemms: list[Shape], p: Perf, quant_bytes: float = QUANT_BYTES) -> float:
     """What one use of a linear kind adds around its fp8 GEMMs: amax, casts, transposed copies."""
     elements = sum(s.batch * (s.m * s.k + s.k * s.n + s.m * s.n) for s in gemms)
-    return cost.memory_seconds(QUANT_BYTES * elements, p) + (QUANT_KERNELS * len(gemms) - 1) * p.launch_seconds
+    return cost.memory_seconds(quant_bytes * elements, p) + (QUANT_KERNELS * len(gemms) - 1) * p.launch_seconds
 
 
-def use_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
+def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUANT_BYTES) -> float:
     """One use of a linear kind: its GEMMs, with fp8 the quantization of their operands too."""
-    return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p) if fp8 else 0.0)
+    return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes) if fp8 else 0.0)
+
+
+def quant_bytes(kind: str, cfg: Config) -> float:
+    """QUANT_BYTES, or BIASED_ATTN_OUT_QUANT_BYTES for attn_out where the model has biases."""
+    return BIASED_ATTN_OUT_QUANT_BYTES if kind == "attn_out" and cfg.model.bias else QUANT_BYTES
 
 
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
@@ -140,7 +153,7 @@ def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
         row = by_kind.setdefault(kind, [0, 0.0, 0.0])
         row[0] += uses
         row[1] += uses * use_seconds(gemms, p, False)
-        row[2] += uses * use_seconds(gemms, p, True)
+        row[2] += uses * use_seconds(gemms, p, True, quant_bytes(kind, cfg))
     return [Choice(kind, *by_kind[kind]) for kind in BLOCK_LINEARS if kind in by_kind]
 
 

@@ -5,9 +5,14 @@ precision matters more than range there. The gradient flowing back into a matmul
 (2 mantissa bits, max 57344): gradients span a wider range. Products accumulate in fp32 inside the
 GEMM, and the result is rescaled and written in the compute dtype.
 
-Scaling recipe: current (dynamic) per-tensor scaling. Each operand is divided by
-scale = amax(|x|) / fp8_max just before the cast, so its largest element lands on the format's
-largest value, and the GEMM's fp32 result is multiplied back by both scales. The amax is computed
+Scaling recipe: current (dynamic) per-tensor scaling. Each operand is divided by the smallest
+power of two >= amax(|x|) / fp8_max just before the cast, so its largest element lands in the
+format's top binade (torchao's power-of-two scales; MX formats' scales are powers of two too), and
+the GEMM's result is multiplied back by both scales. A power of two makes that multiply exact: the
+GEMM can write its result in the compute dtype, rounded once, and the rescale after it moves no
+precision. (A scale of exactly amax / fp8_max used the top binade fully, but then the GEMM had to
+write fp32, for the rescale and cast in the next fusion: in gpt2-124m's compiled H100 step that was
+2 x 6,912 extra bytes per token and layer; 1,166.1 -> 1,059.3 ms predicted.) The amax is computed
 from the tensor itself on every step: one reduction per operand, but no state (nothing to
 checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
 Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
@@ -15,10 +20,10 @@ train step's `shard_map` (jaxgpt/step.py) the manual dp axis is split by hand, s
 `pmax` over it makes it global there too: one scale per tensor on every layout. (pp, also manual
 in a pipelined step, holds different layers per stage: no pmax over it.)
 
-Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with an fp32
-`preferred_element_type`, then `* scale_x * scale_w` and a cast to the compute dtype. XLA:GPU's
-GEMM rewriter turns a dot with fp8 operands (at least one e4m3, scalar scales) into a cuBLASLt fp8
-GEMM (`__cublas$lt$matmul$f8`, QGMMA on Hopper) with the scales and the cast in its epilogue. The
+Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with the compute
+dtype as `preferred_element_type`, then the exact `* scale_x * scale_w`. XLA:GPU's GEMM rewriter
+turns a dot with fp8 operands (at least one e4m3) into a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`,
+QGMMA on Hopper) that accumulates in fp32 and writes bf16 (tests/test_gpu_compile.py holds it). The
 older quantize-dequantize form (fp8 -> bf16 * scale, then an ordinary dot) relied on the rewriter
 recognising that pattern after other passes had run; they simplified it away and no fp8 GEMM
 formed on a real H100 (docs/benchmarks.md). Flax and Transformer Engine moved to direct fp8 dots
@@ -63,8 +68,21 @@ from jaxgpt.parallel.mesh import shard
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
-def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """x -> (q in `fp8`, fp32 scale) with x ~= q * scale and max|q| = the format's max."""
+def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
+    """The smallest power of two >= amax / the format's max (1 where amax is 0): dividing by it
+    puts max|x| in (fmax/2, fmax], and multiplying a product by it is exact in any float format."""
+    mantissa, exponent = jnp.frexp(amax / float(jnp.finfo(fp8).max))  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
+
+
+def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False) -> tuple[jax.Array, jax.Array]:
+    """x -> (q in `fp8`, fp32 power-of-two scale) with x ~= q * scale and max|q| in (fmax/2, fmax].
+
+    pin: x and its amax pass an optimization barrier together, so that x is written once in its own
+    dtype by the fusion that produces it (with the amax) and read once by the cast. Without it
+    XLA:GPU, allowed excess precision, drops a gradient's rounding to bf16 and writes its producer's
+    fp32 values for the cast to read: twice the bytes both ways (the GELU backward's [rows, 4D]
+    gradient of every MLP, 1.6 GB written and read per layer and micro-batch of gpt2-124m)."""
     fmax = float(jnp.finfo(fp8).max)
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     # Manual axes that split this tensor's rows (dp: the batch) need a pmax for one scale per
@@ -72,7 +90,9 @@ def quantize(x: jax.Array, fp8: jnp.dtype) -> tuple[jax.Array, jax.Array]:
     # its tensors are other tensors, not shards of the same one.
     if manual := tuple(a for a in jax.sharding.get_abstract_mesh().manual_axes if a != "pp"):
         amax = jax.lax.pmax(amax, manual)  # one scale for the whole tensor, as on any other layout
-    scale = jnp.where(amax > 0, amax / fmax, 1.0)
+    if pin:
+        x, amax = jax.lax.optimization_barrier((x, amax))
+    scale = power_of_two_scale(amax, fp8)
     q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8)
     return q, scale
 
@@ -105,10 +125,13 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
                 dtype: jnp.dtype) -> jax.Array:
     """einsum(spec) of two fp8 arrays with fp32 accumulation, rescaled, in `dtype`."""
     dims, perm = _dot_plan(spec)
-    out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=jnp.float32)
+    out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=dtype)
     if perm != tuple(range(len(perm))):
         out = jnp.transpose(out, perm)
-    return (out * (sx * sy)).astype(dtype)
+    # Powers of two: the rescale is exact, so the GEMM's rounding to `dtype` is the only one. It is
+    # applied in fp32 after the GEMM, not folded into it: a bf16 multiply is taken into cuBLASLt's
+    # epilogue with the GELU after it, a GELU_AUX fp8 call XLA:GPU then fails to emit.
+    return (out.astype(jnp.float32) * (sx * sy)).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -127,7 +150,7 @@ def _forward(spec, w_axes, x, w):
 def _backward(spec, w_axes, residuals, dy):
     x_q, sx, w_q, sw = residuals
     a, b, out = _operands(spec)
-    dy_q, sdy = quantize(dy, E5M2)
+    dy_q, sdy = quantize(dy, E5M2, pin=True)
     dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype)
     dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
     return dx, dw
