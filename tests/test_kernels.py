@@ -99,6 +99,16 @@ def test_quantize_rounds_to_representable_fp8_values():
         assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) > float(jnp.finfo(fmt).max) / 2  # the top binade is used
 
 
+def test_quantize_keeps_a_non_finite_tensor_non_finite():
+    """An inf or NaN in the operand comes out as NaN in its fp8 copy (and so in the GEMM and the
+    loss, where train stops the run), never clipped to a finite fp8 value."""
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        x = jnp.ones((4, 8), jnp.bfloat16).at[1, 2].set(bad)
+        for fmt in (E4M3, E5M2):
+            q, _ = quantize(x, fmt)
+            assert bool(jnp.isnan(q.astype(jnp.float32)).any()), (bad, fmt)
+
+
 # Per format: (unit roundoff u, the absolute rounding error of a subnormal in units of the scale):
 # e4m3fn has 3 mantissa bits (u = 2^-4) and subnormal spacing 2^-9; e5m2 has 2 (u = 2^-3) and 2^-16.
 ROUNDING = {E4M3: (2.0 ** -4, 2.0 ** -10), E5M2: (2.0 ** -3, 2.0 ** -17)}

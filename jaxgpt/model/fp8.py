@@ -70,9 +70,12 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
     """The smallest power of two >= amax / the format's max (1 where amax is 0): dividing by it
-    puts max|x| in (fmax/2, fmax], and multiplying a product by it is exact in any float format."""
+    puts max|x| in (fmax/2, fmax], and multiplying a product by it is exact in any float format.
+    An infinite amax stays the scale, so an inf in x becomes NaN in q, as it reached the loss
+    before (clipped to fmax, it would hide a diverging run from train's non-finite check)."""
     mantissa, exponent = jnp.frexp(amax / float(jnp.finfo(fp8).max))  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return jnp.where(amax > 0, jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent)), 1.0)
+    pow2 = jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+    return jnp.where(amax > 0, jnp.where(jnp.isfinite(amax), pow2, amax), 1.0)
 
 
 def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False) -> tuple[jax.Array, jax.Array]:
