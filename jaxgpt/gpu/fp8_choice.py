@@ -22,26 +22,28 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
 and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
 result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/model/fp8.py). With
 that, each kind's GEMM time, bf16 and fp8, is the compiled program's to 0.1 ms (gpt2-124m and
-gpt2-1.3b on an H100: docs/benchmarks.md; tests/test_fp8_choice.py). QUANT_BYTES: 7 bytes an
-element would do (read for the amax 2, read and cast 2 + 1, the transposed f8 copy 1 + 1), and
-XLA:GPU's programs move less: an amax is taken in the fusion that produces its operand where it
-can be (the GELU's, the gradients' with `quantize(pin=True)`), or recomputes a LayerNorm instead of
-reading its output. What fp8=true adds outside
-the GEMMs in the compiled gpt2-124m and gpt2-1.3b steps (the step less its GEMMs, against bf16's;
-docs/benchmarks.md, "fp8 GEMMs write bf16"), for qkv, mlp_in and mlp_out, is 5.1 and 5.2 bytes an
-element of this count after the launches (it was 9.0-9.4 while the fp8 GEMMs wrote fp32 for the
-consumers to read back). Measured, it is more: gpt2-124m with those three kinds in fp8 ran 1,072.4
-ms on an H100 against 1,037.4 in bf16 on the same machine (2026-11-27), where the compiled
-programs predict 1,004.7 against 1,031.5. Quantization that costs 7.5 bytes an element accounts
-for that step (its kernels run below the bandwidth the model gives them, as the 124M fp8 profile
-showed: 356.5 ms measured against 315.3). QUANT_BYTES is 7.5, so that auto does not take what the
-GPU measured as a loss. attn_out is the exception in
-those GPT-2 steps: 10.6 and 14.2 bytes an element (its fp8 step against the same step with
-attn_out in bf16), so BIASED_ATTN_OUT_QUANT_BYTES = 14.5 there; in the Llama-shaped llama-8b slice
-(no biases) attn_out in fp8 gains 12.7 ms compiled, 11.3 estimated at 6.5 bytes. Why GPT-2's attn_out moves more is not established; the bias (its gradient's
-column sum beside the e5m2 cast of the same gradient) is the difference the constant is keyed on.
-These are read off the step-time model's programs, not refit against a GPU. Collective traffic is left out: fsdp's all-gathers of e4m3 weights move half
-the bytes, which only favours fp8 more than estimated.
+gpt2-1.3b on an H100: docs/benchmarks.md; tests/test_fp8_choice.py).
+
+QUANT_BYTES: 7 bytes an element would do (read for the amax 2, read and cast 2 + 1, the transposed
+f8 copy 1 + 1), and XLA:GPU's programs move less: an amax is taken in the fusion that produces its
+operand where it can be (the GELU's, the gradients' with `quantize(pin=True)`), or recomputes a
+LayerNorm instead of reading its output. What qkv, mlp_in and mlp_out in fp8 add outside the GEMMs
+in the compiled gpt2-124m and gpt2-1.3b steps (the step less its GEMMs, against bf16's, less
+launches; docs/benchmarks.md, "fp8 GEMMs write bf16") is 5.1 and 5.2 bytes an element of this count
+(9.0-9.4 while the fp8 GEMMs wrote fp32 for the consumers to read back). Measured, it is more:
+gpt2-124m with those three kinds in fp8 ran 1,072.4 ms on an H100 against 1,037.4 in bf16 on the
+same machine (2026-11-27), where the compiled programs predict 1,004.7 against 1,031.5; its
+quantization kernels run below the bandwidth the model gives them (the 124M fp8 profile: 356.5 ms
+measured, 315.3 predicted). 7.5 bytes an element accounts for that measured step, so QUANT_BYTES is
+7.5: auto does not take what the GPU measured as a loss.
+
+BIASED_ATTN_OUT_QUANT_BYTES: GPT-2's attn_out moves 10.6 and 14.2 bytes an element in the compiled
+programs (each fp8 step against the same step with attn_out in bf16), so 14.5 there. In the
+Llama-shaped llama-8b slice (no biases) attn_out in fp8 gains 12.7 ms compiled, 11.3 estimated with
+QUANT_BYTES. Why GPT-2's attn_out moves more is not established; the bias (its gradient's column
+sum beside the e5m2 cast of the same gradient) is the difference the constant is keyed on. It is
+read off the compiled programs, not measured on a GPU. Collective traffic is left out: fsdp's
+all-gathers of e4m3 weights move half the bytes, which only favours fp8 more than estimated.
 
 Where the model is not told a GPU (a CPU run, a plan without --target, a GPU other than an H100 or
 H200) auto is bf16 everywhere, and says so.
@@ -144,7 +146,7 @@ def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUA
     return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes) if fp8 else 0.0)
 
 
-def quant_bytes(kind: str, cfg: Config) -> float:
+def kind_quant_bytes(kind: str, cfg: Config) -> float:
     """QUANT_BYTES, or BIASED_ATTN_OUT_QUANT_BYTES for attn_out where the model has biases."""
     return BIASED_ATTN_OUT_QUANT_BYTES if kind == "attn_out" and cfg.model.bias else QUANT_BYTES
 
@@ -157,7 +159,7 @@ def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
         row = by_kind.setdefault(kind, [0, 0.0, 0.0])
         row[0] += uses
         row[1] += uses * use_seconds(gemms, p, False)
-        row[2] += uses * use_seconds(gemms, p, True, quant_bytes(kind, cfg))
+        row[2] += uses * use_seconds(gemms, p, True, kind_quant_bytes(kind, cfg))
     return [Choice(kind, *by_kind[kind]) for kind in BLOCK_LINEARS if kind in by_kind]
 
 
