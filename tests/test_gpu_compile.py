@@ -204,6 +204,21 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
 
 
 @needs_plugin
+def test_head_writes_bf16_logits_and_passes_over_them_twice(compiled):
+    """gpt2-124m's micro-batch on one H100: each loss chunk is 8,192 rows (128 sequences x 64
+    positions) of the 50,304 padded vocabulary. Its logits GEMM writes them in bf16, and two
+    memory-bound kernels touch such an array, both in bf16: the one-pass max and sum reads the
+    logits, the exp pass reads them and writes e for the two gradient GEMMs (jaxgpt/model/loss.py).
+    With fp32 logits those were 4-byte arrays: 1,031.5 -> 991.2 ms predicted for the whole step."""
+    text = compiled["gpt2_one_gpu"].compiled.as_text()
+    head = _arrays_of(text, 8192 * 50304)
+    assert sorted((r, w) for _, r, w, _ in head) == [(1, 0), (1, 1)], head
+    assert {t for k in head for t in k[3]} == {"bf16"}, head
+    assert re.search(r"= bf16\[8192,50304\]\S* (fusion|custom-call)\(", text)
+    assert not re.search(r"= f32\[8192,50304\]", text)
+
+
+@needs_plugin
 def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true (128 x 1,024 rows, D=768, F=3072):
     every f8 copy of an activation or gradient is cast from a bf16 array, none from fp32, and no

@@ -2,8 +2,8 @@
 
 Letters: B batch, T time, C chunks, t positions per chunk (T = C*t), D model width, V vocabulary.
 
-Why chunks. The head's fp32 logits [B, T, V] are the largest tensor of a GPT step: 412 MB for
-the default run (16 x 128 x 50304) and 6.6 GB for a 32-sequence gpt2-124m micro-batch, plus as
+Why chunks. The head's logits [B, T, V] are the largest tensor of a GPT step: in fp32, 412 MB
+for the default run (16 x 128 x 50304) and 6.6 GB for a 32-sequence gpt2-124m micro-batch, plus as
 much again for their softmax and gradient. Materialised whole they dominate XLA's temporaries (GPU
 memory) and, on a CPU, the bytes each step allocates, faults in and frees.
 
@@ -49,10 +49,15 @@ c * tanh(z / c) (the label's logit too), and e picks up the factor 1 - (logits /
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
 single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
 chunk (its fsdp shards, as the input lookup gathers them; V stays on tp). Precision follows the
-model: logits, max, row sums and the accumulated dwte in fp32; e and x / s rounded to the compute
-dtype for the two gradient matmuls, which accumulate in fp32. On a CPU in bf16, dwte leaves the
-loop through an optimization barrier (`pins_dwte`: one chunk's GEMM with the transpose folded in
-is one XLA:CPU cannot run).
+model: the logits GEMM accumulates in fp32 and writes the compute dtype, so in bf16 (the GPU
+default) the loss is fp32 cross-entropy of bf16-rounded logits, the label's logit rounded alike:
+what nanoGPT's head under autocast, llm.c's and nanochat's compute. The max, row sums, logsumexp
+and the accumulated dwte are fp32; e and x / s are rounded to the compute dtype for the two
+gradient matmuls, which accumulate in fp32. bf16 logits halve the bytes of the three passes over
+each chunk (the GEMM's write, the max-sum's read, the exp pass's read): gpt2-124m on an H100,
+1,031.5 -> 991.2 ms a step predicted (docs/benchmarks.md). Sampling's `head_logits` stays fp32.
+On a CPU in bf16, dwte leaves the loop through an optimization barrier (`pins_dwte`: one chunk's
+GEMM with the transpose folded in is one XLA:CPU cannot run).
 
 With the vocabulary split over tp this is Megatron's vocab-parallel cross-entropy: each shard
 reduces its own slice of the logits (XLA adds small all-reduces of [B, t] maxima and sums), and
@@ -109,14 +114,15 @@ def _rows_per_device(B: int) -> int:
 
 def label_logits(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype,
                  cap: float = 0.0) -> jax.Array:
-    """fp32 logit of each position's label [B, T]: the head's dot product for that one row of the
-    table, read by a lookup as the input embedding's is (`GPT.embed`), so no pass over [B, T, V]
-    picks it out. The operands are rounded to the compute dtype as the head's GEMM rounds them, and
-    the products summed in fp32 (with model.fp8_head too: the label's term stays exact); its
-    gradient (a scatter-add of x into the label rows) is autodiff's."""
+    """The logit of each position's label [B, T], in fp32: the head's dot product for that one row
+    of the table, read by a lookup as the input embedding's is (`GPT.embed`), so no pass over
+    [B, T, V] picks it out. As the head's GEMM: operands rounded to the compute dtype, products
+    summed in fp32, the sum rounded to the compute dtype (with model.fp8_head, the label's term
+    keeps the compute dtype's operands); its gradient (a scatter-add of x into the label rows) is
+    autodiff's."""
     rows_BTD = lookup_table(table_VD)[labels_BT]
     z_BT = jnp.sum(x_BTD.astype(dtype).astype(jnp.float32) * rows_BTD.astype(dtype).astype(jnp.float32), axis=-1)
-    return softcap(z_BT, cap)
+    return softcap(z_BT.astype(dtype).astype(jnp.float32), cap)
 
 
 def online_lse(x: jax.Array) -> jax.Array:
@@ -175,7 +181,8 @@ def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Ar
 
 def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
                dtype: jnp.dtype) -> jax.Array:
-    """fp32 cross-entropy of every position [B, T] (evaluation: no gradient), the head applied a
+    """fp32 cross-entropy of every position [B, T] (evaluation: no gradient) of the logits in the
+    compute dtype, the head applied a
     chunk at a time like `chunked_cross_entropy`; its sum over all positions is that function's
     loss times B*T (up to summation order)."""
     B, T, _ = x_BTD.shape
@@ -227,21 +234,24 @@ class _Head:
 
     def _exp(self, logits_BtV: jax.Array, m_Bt: jax.Array) -> jax.Array:
         """exp(logits - m) over the real vocabulary, 0 on any padding."""
-        return self._real(jnp.exp(logits_BtV - m_Bt[..., None]), 0.0)
+        return self._real(jnp.exp(logits_BtV.astype(jnp.float32) - m_Bt[..., None]), 0.0)
 
     def logits(self, x_BtD: jax.Array) -> tuple[jax.Array, tuple]:
-        """fp32 logits [B, t, V] of one chunk, soft-capped, and what the gradient GEMMs reuse. Any
+        """Logits [B, t, V] of one chunk in the compute dtype (soft-capped: fp32 from the rounded
+        ones), and what the gradient GEMMs reuse. Any
         padding columns (an untrimmed table) are left as computed: the passes over them mask
         them themselves."""
         if not self.fp8:
             x_BtD = x_BtD.astype(self.dtype)
-            logits_BtV = jnp.einsum("btd,vd->btv", x_BtD, self.wte_VD, preferred_element_type=jnp.float32)
+            logits_BtV = jnp.einsum("btd,vd->btv", x_BtD, self.wte_VD, preferred_element_type=self.dtype)
             saved = (x_BtD, None)
         else:
             x_q_BtD, s_x = quantize(x_BtD, E4M3)
-            logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, jnp.float32)
+            logits_BtV = scaled_dot("btd,vd->btv", x_q_BtD, s_x, self.wte_q_VD, self.s_wte, self.dtype)
             saved = (x_q_BtD, s_x)
-        return shard(softcap(logits_BtV, self.cap), "batch", "seq", "act_vocab"), saved
+        if self.cap:  # on the rounded logits, in fp32 (nanochat's order)
+            logits_BtV = softcap(logits_BtV.astype(jnp.float32), self.cap)
+        return shard(logits_BtV, "batch", "seq", "act_vocab"), saved
 
     def max_sum(self, logits_BtV: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(m, sum of exp(logits - m)) over the real vocabulary [B, t], m the maximum. On a GPU in
@@ -249,7 +259,7 @@ class _Head:
         than a second read (the default run's head: 432 -> 781 ms), the max alone."""
         if self.online:
             return online_max_sum(self._real(logits_BtV, -jnp.inf))
-        m_Bt = jnp.max(self._real(logits_BtV, -jnp.inf), axis=-1)
+        m_Bt = jnp.max(self._real(logits_BtV, -jnp.inf), axis=-1).astype(jnp.float32)
         return m_Bt, None
 
     def lse(self, logits_BtV: jax.Array) -> jax.Array:
