@@ -235,6 +235,27 @@ def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
         assert not [k for k in arrays if "f32" in k[3][k[1]:]], arrays
 
 
+@needs_plugin
+def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
+    """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, every kernel that
+    casts a block weight to e4m3 runs once per step, before the micro-batch loop, and writes the
+    layouts the GEMMs read (jaxgpt/model/layers.py prequantize_weights). Quantized inside the loop,
+    as before, each ran once per micro-batch and layer (4 times here)."""
+    for name in ("dp8_accum2_fp8", "dp2_fsdp4_accum2_remat_dots_fp8", "dp2_fsdp2_tp2_accum2_fp8_head"):
+        c = compiled[name]
+        text = c.compiled.as_text()
+        weights = {",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))
+                   for path, leaf in jax.tree_util.tree_leaves_with_path(c.state.params)
+                   if path[0].key == "blocks" and str(path[-1].key).endswith("_kernel")}
+        comps, _ = cost.parse_module(text)
+        instrs = {i.name: i for body in comps.values() for i in body}
+        casts = [(k.name, k.times) for k in cost.kernels(text, perf.perf("h100"), 8)[0]
+                 if (i := instrs.get(k.name)) and "f8e4m3fn" in i.shape
+                 and any(dims in weights and not dtype.startswith("f8") for o in i.operands if o in instrs
+                         for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", instrs[o].shape))]
+        assert len(casts) >= 4 and all(times == 1 for _, times in casts), (name, casts)
+
+
 def _gathered(text: str) -> list[tuple[str, str]]:
     """(element type, dims) of every array an all-gather returns, e.g. ('bf16', '768,3072')."""
     out = []

@@ -245,11 +245,14 @@ def test_fp8_scale_is_global_inside_the_dp_shard_map():
 def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
     """fp8 on dp=2,fsdp=2,tp=2 and pp=2,dp=2,tp=2 vs one device: the per-tensor amax is a global
     max (exact under any sharding; under pp each stage's own tensors), but a different fp32 summation order can move a value across an fp8 rounding
-    boundary, so the bound is looser than the fp32 layouts' 1e-4: 1e-3 on losses of ~10.8."""
+    boundary, so the bound is looser than the fp32 layouts' 1e-4: 1e-3 on losses of ~10.8. Two
+    micro-batches a step, so the weights are quantized once per step (prequantize_weights) on the
+    flat layouts, inside the dp shard_map too."""
     losses = {}
     for layout, devices in [("dp=1", jax.devices()[:1]), ("dp=2,fsdp=2,tp=2", None), ("pp=2,dp=2,tp=2", None)]:
         run_dir = tmp_path / layout
-        train(tiny_config("train.steps=5", "model.fp8=true", mesh=layout), run_dir, devices=devices)
+        train(tiny_config("train.steps=5", "model.fp8=true", "train.grad_accum=2", mesh=layout), run_dir,
+              devices=devices)
         losses[layout] = train_losses(run_dir)
     for layout in ("dp=2,fsdp=2,tp=2", "pp=2,dp=2,tp=2"):  # pp: each stage scales its own layers' tensors
         np.testing.assert_allclose(losses[layout], losses["dp=1"], rtol=0, atol=1e-3, err_msg=layout)
@@ -312,3 +315,39 @@ def test_online_logsumexp_matches_two_passes():
     ours, reference = np.asarray(jax.jit(online_lse)(x)), np.asarray(jax.jit(jax.nn.logsumexp, static_argnums=1)(x, -1))
     assert ours[0, 0] == -np.inf and ours[1, 1] == 1e30
     np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("overrides, weights", [
+    ([], {"attn": ["c_attn_kernel", "c_proj_kernel"], "mlp": ["c_fc_kernel", "c_proj_kernel"]}),
+    (["model.norm=rmsnorm", "model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2", "model.bias=false"],
+     {"attn": ["c_proj_kernel", "kv_kernel", "q_kernel"], "mlp": ["c_fc_kernel", "c_gate_kernel", "c_proj_kernel"]}),
+], ids=["gpt2", "llama"])
+def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides, weights):
+    """With micro-batches the train step quantizes the fp8 block weights once per step, before its
+    loop (model/layers.py prequantize_weights; each GEMM then reads the e4m3 copy in the layout it
+    takes). A micro-batch's loss and every gradient are bit for bit those of quantizing each weight
+    inside the layer, for every kind (GQA's q and kv weights, SwiGLU's gate too), in bf16; and no
+    max-reduction over a block weight is left in the prequantized loss (the weights' amax is taken
+    outside)."""
+    from flax import nnx
+
+    from jaxgpt.model import GPT, prequantize_weights, with_prequantized
+    from jaxgpt.step import objective_fn, param_logical_axes
+    cfg = tiny_config("model.fp8=true", *overrides).model
+    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
+    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
+    batch_BT1 = jax.random.randint(jax.random.key(1), (4, cfg.seq_len + 1), 0, cfg.vocab_size)
+    pre = prequantize_weights(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16)
+    assert {module: sorted(ws) for module, ws in pre.items()} == weights
+
+    def loss(p, pre):
+        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
+
+    (l_pre, g_pre), (l_in, g_in) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
+    assert float(l_pre) == float(l_in)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    weight_shapes = {w.q.shape[1:] for ws in pre.values() for w in ws.values()}
+    maxes = [eqn.invars[0].aval.shape for eqn in _equations(jax.make_jaxpr(loss)(params, pre).jaxpr)
+             if eqn.primitive.name == "reduce_max"]
+    assert maxes and not [s for s in maxes if s in weight_shapes], maxes

@@ -17,7 +17,10 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
 
     bf16  = the three GEMMs in bf16 (2-byte operands)
     fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
-            + (M K + K N + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
+            + (M K + K N / A + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
+
+(A = train.grad_accum where the step quantizes the weights once per step, `fp8_weights_once_per_step`,
+else 1)
 
 and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
 result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/model/fp8.py). With
@@ -40,8 +43,13 @@ measured, 315.3 predicted). 7.5 bytes an element accounts for that measured step
 BIASED_ATTN_OUT_QUANT_BYTES: GPT-2's attn_out moves 10.6 and 14.2 bytes an element in the compiled
 programs (each fp8 step against the same step with attn_out in bf16), so 14.5 there. In the
 Llama-shaped llama-8b slice (no biases) attn_out in fp8 gains 12.7 ms compiled, 11.3 estimated with
-QUANT_BYTES. Why GPT-2's attn_out moves more is not established; the bias (its gradient's column
-sum beside the e5m2 cast of the same gradient) is the difference the constant is keyed on. It is
+QUANT_BYTES. Why GPT-2's attn_out moves more, read off the compiled gpt2-124m steps (2026-11-27,
+attn_out added to qkv, mlp_in and mlp_out in fp8; docs/benchmarks.md): its input is cuDNN's
+output, so the amax and the cast-and-transpose are two passes of their own; the residual add with
+the next norm's statistics runs as two fusions per layer instead of one; and the bias gradient's
+column sum becomes a pass of its own beside the e5m2 cast of the same gradient. In the slice the
+first of these costs little and the bf16 GEMM's folded residual add (cuBLASLt's C input) is what
+fp8 gives up; the GEMM saving is larger. The bias is the difference the constant is keyed on. It is
 read off the compiled programs, not measured on a GPU. Collective traffic is left out: fsdp's
 all-gathers of e4m3 weights move half the bytes, which only favours fp8 more than estimated.
 
@@ -54,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxgpt.config import Config, pipeline_microbatches, round_rows
+from jaxgpt.config import Config, fp8_weights_once_per_step, pipeline_microbatches, round_rows
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
@@ -135,15 +143,18 @@ def gemm_seconds(gemms: list[Shape], p: Perf, fp8: bool) -> float:
     return sum(_gemm(s.batch, *mkn, fp8, p) for s in gemms for mkn in ((s.m, s.k, s.n), (s.m, s.n, s.k), (s.k, s.m, s.n)))
 
 
-def quantize_seconds(gemms: list[Shape], p: Perf, quant_bytes: float = QUANT_BYTES) -> float:
-    """What one use of a linear kind adds around its fp8 GEMMs: amax, casts, transposed copies."""
-    elements = sum(s.batch * (s.m * s.k + s.k * s.n + s.m * s.n) for s in gemms)
+def quantize_seconds(gemms: list[Shape], p: Perf, quant_bytes: float = QUANT_BYTES, weight_share: float = 1.0) -> float:
+    """What one use of a linear kind adds around its fp8 GEMMs: amax, casts, transposed copies.
+    weight_share: the share of the weight's quantization one use carries (1 / grad_accum where the
+    step quantizes the weights once per step)."""
+    elements = sum(s.batch * (s.m * s.k + weight_share * s.k * s.n + s.m * s.n) for s in gemms)
     return cost.memory_seconds(quant_bytes * elements, p) + (QUANT_KERNELS * len(gemms) - 1) * p.launch_seconds
 
 
-def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUANT_BYTES) -> float:
+def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUANT_BYTES,
+                weight_share: float = 1.0) -> float:
     """One use of a linear kind: its GEMMs, with fp8 the quantization of their operands too."""
-    return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes) if fp8 else 0.0)
+    return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes, weight_share) if fp8 else 0.0)
 
 
 def kind_quant_bytes(kind: str, cfg: Config) -> float:
@@ -154,12 +165,13 @@ def kind_quant_bytes(kind: str, cfg: Config) -> float:
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
     """The estimate for every block linear kind of cfg's model on device p, in BLOCK_LINEARS order."""
     by_kind: dict[str, list[float]] = {}
+    share = 1 / cfg.train.grad_accum if fp8_weights_once_per_step(cfg, sizes) else 1.0
     for name, (gemms, uses) in linear_shapes(cfg, sizes).items():
         kind = name.split("+")[0]
         row = by_kind.setdefault(kind, [0, 0.0, 0.0])
         row[0] += uses
         row[1] += uses * use_seconds(gemms, p, False)
-        row[2] += uses * use_seconds(gemms, p, True, kind_quant_bytes(kind, cfg))
+        row[2] += uses * use_seconds(gemms, p, True, kind_quant_bytes(kind, cfg), share)
     return [Choice(kind, *by_kind[kind]) for kind in BLOCK_LINEARS if kind in by_kind]
 
 

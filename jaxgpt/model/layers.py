@@ -18,7 +18,7 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.activations import activate
-from jaxgpt.model.fp8 import linear
+from jaxgpt.model.fp8 import linear, prequantize
 from jaxgpt.model.norm import normalize
 from jaxgpt.parallel.mesh import shard
 
@@ -45,8 +45,42 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
 
 def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool) -> jax.Array:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
-    under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element)."""
-    return linear(name, spec, x, kernel[...].astype(x.dtype), fp8, kernel.logical_axes)
+    under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element).
+    The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`)."""
+    return linear(name, spec, x, kernel.get_value(), fp8, kernel.logical_axes)
+
+
+# A dense model's block linears: where each weight sits in its params['blocks'] dict, its kind
+# (model.fp8) and how many of its leading axes the forward GEMM contracts.
+LINEAR_WEIGHTS = {("attn", "c_attn_kernel"): ("qkv", 1), ("attn", "q_kernel"): ("qkv", 1),
+                  ("attn", "kv_kernel"): ("qkv", 1), ("attn", "c_proj_kernel"): ("attn_out", 2),
+                  ("mlp", "c_fc_kernel"): ("mlp_in", 1), ("mlp", "c_gate_kernel"): ("mlp_gate", 1),
+                  ("mlp", "c_proj_kernel"): ("mlp_out", 1)}
+
+
+def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: jnp.dtype) -> dict:
+    """{module: {name: Prequantized}} for the weights of `blocks` (a dense model's stacked
+    params['blocks']) whose kind is in `kinds`, each layer quantized as `dense` would (fp8.prequantize);
+    `axes`: their logical axes, stacked ones ('layers') first. The train step makes these once per
+    optimizer step, before its micro-batch loop, rather than once per micro-batch and layer."""
+    out: dict = {}
+    for (module, name), (kind, contracted) in LINEAR_WEIGHTS.items():
+        if kind in kinds and name in blocks.get(module, {}):
+            w_axes = axes[module][name]
+            stacked = sum(a in ("layers", "sublayers") for a in w_axes)
+            out.setdefault(module, {})[name] = prequantize(blocks[module][name], stacked, contracted, dtype, w_axes)
+    return out
+
+
+def with_prequantized(params: dict, prequantized: dict | None) -> dict:
+    """params with the weights `prequantize_weights` made copies of replaced by those copies, each
+    around the weight in `params` itself (the gradient is taken w.r.t. that one)."""
+    if not prequantized:
+        return params
+    blocks = dict(params["blocks"])
+    for module, weights in prequantized.items():
+        blocks[module] = {**blocks[module], **{name: p._replace(w=blocks[module][name]) for name, p in weights.items()}}
+    return {**params, "blocks": blocks}
 
 
 def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
