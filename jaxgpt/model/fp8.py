@@ -46,8 +46,7 @@ jaxgpt/model/layers.py `prequantize_weights`): each layer's e4m3 copy in the wei
 operand), written by one kernel per weight, once a step. Inside the loop the GEMMs read them
 (`Prequantized`, `_prequantized_einsum`); the gradient is still the parameter's. Bit for bit what
 quantizing in the loop gives (tests/test_kernels.py), and on gpt2-1.3b's 16 micro-batches on one
-H100 3,504.9 -> 3,401.6 ms a step predicted: the weights' amax and casts ran 16 times a step. The
-loop still copies each layer's slice of the stacked e4m3 arrays (~36 ms a step there). A pipeline
+H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. A pipeline
 (its stage weights are gathered per round, below) and the experts' GEMMs quantize in the loop.
 
 Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
