@@ -75,7 +75,7 @@ def compiled(h100s) -> dict[str, Compiled]:
              for mesh in ("dp=8", "fsdp=8")}
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
     jobs["gpt2_one_gpu_fp8"] = lower_step(load_config("gpt2-124m", [*GPT2_ONE_GPU, FP8], "dp=1"), h100s[:1], "h100"), None
-    jobs["modern"] = lower_step(tiny_config(*MODERN, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
+    jobs["modern"] = lower_step(tiny_config(*MODERN, "train.grad_accum=2", mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["documents"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["context"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,cp=2,tp=2"), h100s, "h100"), None
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
@@ -237,11 +237,12 @@ def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
 
 @needs_plugin
 def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
-    """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, every kernel that
-    casts a block weight to e4m3 runs once per step, before the micro-batch loop, and writes the
-    layouts the GEMMs read (jaxgpt/model/layers.py prequantize_weights). Quantized inside the loop,
-    as before, each ran once per micro-batch and layer (4 times here)."""
-    for name in ("dp8_accum2_fp8", "dp2_fsdp4_accum2_remat_dots_fp8", "dp2_fsdp2_tp2_accum2_fp8_head"):
+    """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, GPT-2's block and
+    the modern one (grouped-query q and kv weights, SwiGLU's gate), every kernel that casts a block
+    weight to e4m3 runs once per step, before the micro-batch loop, and writes the layouts the GEMMs
+    read (jaxgpt/model/layers.py prequantize_weights). Quantized inside the loop, as before, each ran
+    once per micro-batch and layer (4 times here)."""
+    for name in ("dp8_accum2_fp8", "dp2_fsdp4_accum2_remat_dots_fp8", "dp2_fsdp2_tp2_accum2_fp8_head", "modern"):
         c = compiled[name]
         text = c.compiled.as_text()
         weights = {",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))
