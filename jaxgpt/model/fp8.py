@@ -97,13 +97,18 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False) -> tuple[jax.Array
     XLA:GPU, allowed excess precision, drops a gradient's rounding to bf16 and writes its producer's
     fp32 values for the cast to read: twice the bytes both ways (the GELU backward's [rows, 4D]
     gradient of every MLP, 1.6 GB written and read per layer and micro-batch of gpt2-124m)."""
-    fmax = float(jnp.finfo(fp8).max)
     amax = _global(jnp.max(jnp.abs(x)).astype(jnp.float32))
     if pin:
         x, amax = jax.lax.optimization_barrier((x, amax))
     scale = power_of_two_scale(amax, fp8)
-    q = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8)
-    return q, scale
+    return _scaled_cast(x, scale, fp8), scale
+
+
+def _scaled_cast(x: jax.Array, scale: jax.Array, fp8: jnp.dtype) -> jax.Array:
+    """x / scale in fp32, clipped to the format's range, cast to `fp8`: the one cast `quantize` and
+    `prequantize` share, so a prequantized weight is bit for bit the one quantized in the loop."""
+    fmax = float(jnp.finfo(fp8).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(fp8)
 
 
 def _global(amax: jax.Array) -> jax.Array:
@@ -195,12 +200,10 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     the forward GEMM contracts (q_t moves them last, so that GEMM reads K-major operands with no
     transpose in the loop). `axes`: w's logical axes, which q keeps (fsdp then gathers 1 byte an
     element) and q_t permutes."""
-    fmax = float(jnp.finfo(E4M3).max)
     w_c = w.astype(dtype)
     amax = _global(jnp.max(jnp.abs(w_c), axis=tuple(range(stacked, w.ndim))).astype(jnp.float32))
     scale = power_of_two_scale(amax, E4M3)
-    q = jnp.clip(w_c.astype(jnp.float32) / scale.reshape(scale.shape + (1,) * (w.ndim - stacked)),
-                 -fmax, fmax).astype(E4M3)
+    q = _scaled_cast(w_c, scale.reshape(scale.shape + (1,) * (w.ndim - stacked)), E4M3)
     perm = (*range(stacked), *range(stacked + contracted, w.ndim), *range(stacked, stacked + contracted))
     q_t = jnp.transpose(q, perm)
     if axes is not None:
