@@ -57,8 +57,8 @@ still pending then are closed whenever they are garbage-collected, each printing
 "Exception ignored in: <coroutine object _read_array_index_and_device_put>" traceback with a
 ~60-line TensorStore spec (`_abandoned_read`). The results are unwanted (the checkpoint is being
 skipped), so `_quiet_closed_loops` drops exactly those two errors from that hook, and asyncio's
-"Task exception was never retrieved" for TensorStore's failed reads (logged whenever the task is
-garbage-collected), for the life of the process; and each read attempt holds what is written to
+"Task (or _GatheringFuture) exception was never retrieved" for the failed reads (logged whenever
+the task or the gather around them is garbage-collected), for the life of the process; and each read attempt holds what is written to
 file descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt
 fails (its warning line replaces it), written out unchanged when it succeeds.
 
@@ -464,15 +464,15 @@ def _held_stderr():
 
 
 class _DroppedReadTasks(logging.Filter):
-    """asyncio logs "Task (or Future) exception was never retrieved" when it garbage-collects a task of a failed
-    read, at an unpredictable later moment (outside the attempt's hold on fd 2): drop those whose
-    exception is TensorStore's (its messages carry the `tensorstore_spec`), nothing else."""
+    """asyncio logs "<Task, Future or _GatheringFuture> exception was never retrieved" when it
+    garbage-collects a failed read's task or the gather around the step's reads, at an unpredictable
+    later moment (outside the attempt's hold on fd 2): drop those whose exception is a failed
+    checkpoint read (`_failed_read`), nothing else."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith(("Task exception was never retrieved", "Future exception was never retrieved")):
+        if not str(record.msg).split("\n", 1)[0].endswith("exception was never retrieved"):
             return True
-        exc = record.exc_info[1] if record.exc_info else None
-        return not (exc is not None and "tensorstore_spec" in str(exc))
+        return not (record.exc_info and _failed_read(record.exc_info[1]))
 
 
 class _UnreadableStepMetadata(logging.Filter):
@@ -495,6 +495,22 @@ class _UnreadableStepMetadata(logging.Filter):
 
 
 ORBAX_READ = "_read_array_index_and_device_put"  # Orbax's coroutine that reads one array slice
+ORBAX_READ_ERROR = "Encountered error while reading array index"  # what it raises when a read fails
+
+
+STATUS_CODES = ("CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+                "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE",
+                "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")  # absl's
+
+
+def _failed_read(exc: BaseException | None) -> bool:
+    """Whether `exc` is a failed checkpoint read: TensorStore's error (a ValueError led by an absl
+    status code, "OUT_OF_RANGE: Error reading ...") or Orbax's `ORBAX_READ_ERROR` around one."""
+    if exc is None:
+        return False
+    message = str(exc)
+    return (message.startswith(ORBAX_READ_ERROR) or "tensorstore_spec" in message
+            or (isinstance(exc, ValueError) and message.split(":", 1)[0] in STATUS_CODES))
 
 
 def _abandoned_read(unraisable) -> bool:
@@ -504,8 +520,7 @@ def _abandoned_read(unraisable) -> bool:
     close's GeneratorExit into an Exception (with TensorStore's whole spec) that nothing can receive,
     so Python prints it as "Exception ignored in: <coroutine ...>" with a traceback."""
     code = getattr(unraisable.object, "cr_code", None)
-    return (code is not None and code.co_name == ORBAX_READ
-            and str(unraisable.exc_value).startswith("Encountered error while reading array index"))
+    return code is not None and code.co_name == ORBAX_READ and _failed_read(unraisable.exc_value)
 
 
 def _quiet_closed_loops() -> None:
