@@ -320,7 +320,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
         prequantized = prequantize_weights(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(),
-                                           dtype) if prequantize else None
+                                           dtype, unrolled=not m.scan_layers) if prequantize else None
 
         def accumulate(carry, micro_BT1):
             return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1, prequantized)), None

@@ -318,7 +318,7 @@ def test_online_logsumexp_matches_two_passes():
 
 
 @pytest.mark.parametrize("overrides, weights", [
-    ([], {"attn": ["c_attn_kernel", "c_proj_kernel"], "mlp": ["c_fc_kernel", "c_proj_kernel"]}),
+    (["model.scan_layers=false"], {"attn": ["c_attn_kernel", "c_proj_kernel"], "mlp": ["c_fc_kernel", "c_proj_kernel"]}),
     (["model.norm=rmsnorm", "model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2", "model.bias=false"],
      {"attn": ["c_proj_kernel", "kv_kernel", "q_kernel"], "mlp": ["c_fc_kernel", "c_gate_kernel", "c_proj_kernel"]}),
 ], ids=["gpt2", "llama"])
@@ -326,7 +326,8 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
     """With micro-batches the train step quantizes the fp8 block weights once per step, before its
     loop (model/layers.py prequantize_weights; each GEMM then reads the e4m3 copy in the layout it
     takes). A micro-batch's loss and every gradient are bit for bit those of quantizing each weight
-    inside the layer, for every kind (GQA's q and kv weights, SwiGLU's gate too), in bf16; and no
+    inside the layer, for every kind (GQA's q and kv weights, SwiGLU's gate too), in bf16, with the
+    layers unrolled (GPT-2 here, the copies per layer) and scanned (Llama, the copies stacked); and no
     max-reduction over a block weight is left in the prequantized loss (the weights' amax is taken
     outside)."""
     from flax import nnx
@@ -337,7 +338,8 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
     graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
     params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
     batch_BT1 = jax.random.randint(jax.random.key(1), (4, cfg.seq_len + 1), 0, cfg.vocab_size)
-    pre = prequantize_weights(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16)
+    pre = prequantize_weights(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16,
+                              unrolled=not cfg.scan_layers)
     assert {module: sorted(ws) for module, ws in pre.items()} == weights
 
     def loss(p, pre):

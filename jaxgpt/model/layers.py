@@ -58,35 +58,40 @@ LINEAR_WEIGHTS = {("attn", "c_attn_kernel"): ("qkv", 1), ("attn", "q_kernel"): (
                   ("mlp", "c_proj_kernel"): ("mlp_out", 1)}
 
 
-def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: jnp.dtype) -> dict:
+def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: jnp.dtype, *,
+                        unrolled: bool) -> dict:
     """{module: {name: Prequantized}} for the weights of `blocks` (a dense model's stacked
     params['blocks']) whose kind is in `kinds`, each layer quantized as `dense` would (fp8.prequantize);
     `axes`: their logical axes, the stacked 'layers' axis first. The train step makes these once per
     optimizer step, before its micro-batch loop, rather than once per micro-batch and layer.
-    q and q_t come as tuples of per-layer arrays, which `with_prequantized` stacks inside the loop:
-    XLA then folds each layer's slice of that stack back to the layer's own array, where a stacked
-    array carried into the loop had each slice copied every micro-batch (gpt2-1.3b on an H100,
-    3,401.6 -> 3,372.8 ms a step predicted)."""
+    With the layers unrolled (`unrolled`, model.scan_layers=false), q and q_t come as tuples of
+    per-layer arrays, which `with_prequantized` stacks inside the loop: XLA then folds each layer's
+    slice of that stack back to the layer's own array, where a stacked array carried into the loop
+    had each slice copied every micro-batch (gpt2-1.3b on an H100, 3,401.6 -> 3,372.8 ms a step
+    predicted). Scanned layers slice the stack themselves, so there they stay stacked: stacking
+    the tuples again would copy every copy once per micro-batch (llama-8b fp8 on 8 H100s, fsdp=8:
+    5,721.6 -> 5,705.8 ms predicted)."""
     out: dict = {}
     for (module, name), (kind, contracted) in LINEAR_WEIGHTS.items():
         if kind in kinds and name in blocks.get(module, {}):
             w_axes = axes[module][name]
             stacked = sum(a in ("layers", "sublayers") for a in w_axes)
             p = prequantize(blocks[module][name], stacked, contracted, dtype, w_axes)
-            out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=tuple(p.q_t))
+            out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=tuple(p.q_t)) if unrolled else p
     return out
 
 
 def with_prequantized(params: dict, prequantized: dict | None) -> dict:
-    """params with the weights `prequantize_weights` made copies of replaced by those copies (their
-    layers stacked again), each around the weight in `params` itself: the gradient is taken w.r.t.
+    """params with the weights `prequantize_weights` made copies of replaced by those copies (stacked
+    again where they came per layer), each around the weight in `params` itself: the gradient is taken w.r.t.
     that one."""
     if not prequantized:
         return params
     blocks = dict(params["blocks"])
     for module, weights in prequantized.items():
         blocks[module] = {**blocks[module], **{
-            name: p._replace(w=blocks[module][name], q=jnp.stack(p.q), q_t=jnp.stack(p.q_t))
+            name: p._replace(w=blocks[module][name], **({"q": jnp.stack(p.q), "q_t": jnp.stack(p.q_t)}
+                                                        if isinstance(p.q, tuple) else {}))
             for name, p in weights.items()}}
     return {**params, "blocks": blocks}
 
