@@ -441,8 +441,10 @@ def test_init_from_params_only(three_checkpoints, tmp_path_factory):
 
 
 def test_never_retrieved_tensorstore_read_tasks_are_not_logged(caplog):
-    """A failed read's asyncio tasks are collected at any later moment (CI once caught the log in the
-    damaged-checkpoint run's stderr); TensorStore's are dropped, any other task's still logged."""
+    """A failed read's asyncio tasks, futures and the gather around them are collected at any later
+    moment (CI caught their logs in the damaged-checkpoint run's stderr, twice): TensorStore's errors
+    (with or without the spec) and Orbax's around them are dropped, whatever holds them; any other
+    task's error is still logged."""
     import asyncio
     import gc
 
@@ -450,20 +452,28 @@ def test_never_retrieved_tensorstore_read_tasks_are_not_logged(caplog):
 
     _quiet_closed_loops()
 
-    async def fail(message: str):
-        raise ValueError(message)
+    async def fail(error: Exception):
+        raise error
+
+    read = ValueError('OUT_OF_RANGE: Error reading "params.wte/0.0" in OCDBT database at local file "/x/": '
+                      'Requested byte range [0, 7673) is not valid for value of size 100')
+    errors = [ValueError("DATA_LOSS: [tensorstore_spec='{}']"), read,
+              Exception("Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore details")]
 
     async def main():
-        tasks = [asyncio.ensure_future(fail(m)) for m in ("DATA_LOSS: [tensorstore_spec='{}']", "another error")]
+        tasks = [asyncio.ensure_future(fail(e)) for e in [*errors, ValueError("another error")]]
+        gathered = asyncio.gather(fail(read), fail(errors[2]))
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(read)
         await asyncio.sleep(0.01)
-        del tasks
+        del tasks, gathered, future
         gc.collect()
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
         gc.collect()
     logged = [r for r in caplog.records if r.name == "asyncio"]
-    assert len(logged) == 1 and "another error" in str(logged[0].exc_info[1])
+    assert len(logged) == 1 and "another error" in str(logged[0].exc_info[1]), [r.getMessage()[:80] for r in logged]
 
 
 def test_non_finite_restored_parameters_count_as_damage():
