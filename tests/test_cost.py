@@ -51,6 +51,31 @@ def test_cublas_gemm_custom_call_reads_dimension_numbers_from_backend_config():
 
 
 
+def test_a_cublas_call_inside_xlas_dynamic_slice_fusion_is_the_gemm_on_its_slice():
+    """Compiled with cuBLAS GEMMs (Triton GEMMs off), XLA:GPU wraps a GEMM that reads one layer of a
+    stacked weight in a `dynamic_slice_fusion` (a custom fusion: the call reads the slice in place).
+    It is that GEMM, costed on the slice's bytes, not a memory-bound fusion over the whole stack
+    (which left gpt2-124m's step 206 ms of GEMMs short)."""
+    text = """%dynamic-slice-fusion.1 (p0: bf16[12,512,2048], p1: bf16[1024,512]) -> (bf16[1024,2048], s8[1024]) {
+  %p1 = bf16[1024,512]{1,0} parameter(1)
+  %p0 = bf16[12,512,2048]{2,1,0} parameter(0)
+  %slice.1 = bf16[1,512,2048]{2,1,0} slice(%p0), slice={[0:1], [0:512], [0:2048]}
+  %bitcast.1 = bf16[512,2048]{1,0} bitcast(%slice.1)
+  ROOT %cublas-lt-matmul.1 = (bf16[1024,2048]{1,0}, s8[1024]{0}) custom-call(%p1, %bitcast.1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+}
+
+ENTRY %main (w: bf16[12,512,2048], x: bf16[1024,512]) -> (bf16[1024,2048], s8[1024]) {
+  %w = bf16[12,512,2048]{2,1,0} parameter(0)
+  %x = bf16[1024,512]{1,0} parameter(1)
+  ROOT %dynamic_slice_fusion = (bf16[1024,2048]{1,0}, s8[1024]{0}) fusion(%w, %x), kind=kCustom, calls=%dynamic-slice-fusion.1, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion","kernel_index":0}}}
+}
+"""
+    (k,), _ = cost.kernels(text, P)
+    (reference,), _ = cost.kernels(GEMM, P)  # the same GEMM on its own
+    assert (k.name, k.group) == ("dynamic_slice_fusion", cost.GEMM)
+    assert (k.flops, k.bytes, k.seconds) == (reference.flops, reference.bytes, reference.seconds)
+
+
 @pytest.mark.parametrize("op_name, group", [
     ("jit(f)/jvp()/while/body/BTNH,BSNH->BNTS/dot_general", cost.ATTENTION),  # XLA attention's scores
     ("jit(f)/scale_by_muon/lbd,lcd->lbc/dot_general", cost.GEMM),             # Muon's Newton-Schulz, batched over L

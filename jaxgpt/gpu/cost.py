@@ -262,6 +262,20 @@ def _called(line: str) -> list[str]:
     return re.findall(r"\bcalls=%?([\w.\-]+)", line)
 
 
+def _is_gemm_call(i: Instr) -> bool:
+    """A cuBLAS / cuBLASLt GEMM custom call (bf16 or fp8)."""
+    target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
+    return i.opcode == "custom-call" and re.search(r"gemm|matmul", target) is not None
+
+
+def _gemm_call(i: Instr, operand_types: list[str], times: int, p: Perf) -> Kernel:
+    """A cuBLAS GEMM call's kernel: its FLOPs, and the bytes of its two matrices and its result."""
+    g = _gemm(i.line, operand_types[0], operand_types[1])
+    first = re.match(r"\(?([a-z0-9]+\[[^\]]*\])", i.shape).group(1)  # result, not the workspace
+    nbytes = hlo.shape_bytes(operand_types[0]) + hlo.shape_bytes(operand_types[1]) + hlo.shape_bytes(first)
+    return Kernel(i.name, GEMM, times, 2.0 * g.batch * g.m * g.n * g.k, nbytes, gemm_seconds(g, nbytes, p))
+
+
 class _Walker:
     def __init__(self, text: str, p: Perf, n_devices: int, mesh: dict[str, int] | None = None):
         self.comps, self.entry = parse_module(text)
@@ -363,15 +377,17 @@ class _Walker:
                 eff = attention_efficiency(points, _dims(q_kv[0])[-1] if q_kv else 0)
                 seconds = max(flops / (p.peak_flops * eff), nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
                 return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
-            if re.search(r"gemm|matmul", target) and len(operand_types) >= 2:
-                g = _gemm(i.line, operand_types[0], operand_types[1])
-                first = re.match(r"\(?([a-z0-9]+\[[^\]]*\])", i.shape).group(1)  # result, not the workspace
-                nbytes = hlo.shape_bytes(operand_types[0]) + hlo.shape_bytes(operand_types[1]) + hlo.shape_bytes(first)
-                return Kernel(i.name, GEMM, times, 2.0 * g.batch * g.m * g.n * g.k, nbytes, gemm_seconds(g, nbytes, p))
+            if _is_gemm_call(i) and len(operand_types) >= 2:
+                return _gemm_call(i, operand_types, times, p)
             return Kernel(i.name, OTHER, times, 0.0, nbytes, memory_seconds(nbytes, p))
         if op in ("fusion", "fusion-start"):
             callee = _called(i.line)[0]
             body = self._all(callee)
+            calls = [d for d in body if _is_gemm_call(d) and len(d.operands) >= 2]
+            if calls:  # XLA's dynamic-slice fusion: a cuBLAS call that reads its operands' slices in place
+                inner = {d.name: d.shape for d in body}
+                k = _gemm_call(calls[0], [inner.get(o, "") for o in calls[0].operands], times, p)
+                return k._replace(name=i.name)
             nbytes = _fused_bytes(self.comps.get(callee, []))
             dots = [d for d in body if d.opcode in ("dot", "scaled-dot")]
             if dots:
