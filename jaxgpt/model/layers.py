@@ -77,8 +77,16 @@ def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: 
             w_axes = axes[module][name]
             stacked = sum(a in ("layers", "sublayers") for a in w_axes)
             p = prequantize(blocks[module][name], stacked, contracted, dtype, w_axes)
-            out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=tuple(p.q_t)) if unrolled else p
+            out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=_layers(p.q_t)) if unrolled else p
     return out
+
+
+def _layers(x: jax.Array | None) -> tuple | None:
+    return None if x is None else tuple(x)
+
+
+def _stacked(x: tuple | None) -> jax.Array | None:
+    return None if x is None else jnp.stack(x)
 
 
 def with_prequantized(params: dict, prequantized: dict | None) -> dict:
@@ -90,7 +98,7 @@ def with_prequantized(params: dict, prequantized: dict | None) -> dict:
     blocks = dict(params["blocks"])
     for module, weights in prequantized.items():
         blocks[module] = {**blocks[module], **{
-            name: p._replace(w=blocks[module][name], **({"q": jnp.stack(p.q), "q_t": jnp.stack(p.q_t)}
+            name: p._replace(w=blocks[module][name], **({"q": jnp.stack(p.q), "q_t": _stacked(p.q_t)}
                                                         if isinstance(p.q, tuple) else {}))
             for name, p in weights.items()}}
     return {**params, "blocks": blocks}
