@@ -58,9 +58,10 @@ still pending then are closed whenever they are garbage-collected, each printing
 ~60-line TensorStore spec (`_abandoned_read`). The results are unwanted (the checkpoint is being
 skipped), so `_quiet_closed_loops` drops exactly those two errors from that hook, and asyncio's
 "Task (or _GatheringFuture) exception was never retrieved" for the failed reads (logged whenever
-the task or the gather around them is garbage-collected), for the life of the process; and each read attempt holds what is written to
-file descriptor 2 (Python loggers, absl, TensorStore's C++ logging): dropped when the attempt
-fails (its warning line replaces it), written out unchanged when it succeeds.
+the task or the gather around them is garbage-collected), for the life of the process; and each
+read attempt holds what is written to file descriptor 2 (Python loggers, absl, TensorStore's C++
+logging): dropped when the attempt fails (its warning line replaces it), written out unchanged
+when it succeeds.
 
 With several processes, every process tries the same step and they agree: a step any process
 cannot read is skipped by all (a truncated shard may be visible to one host only), process 0 moves

@@ -90,9 +90,9 @@ def _stacked(x: tuple | None) -> jax.Array | None:
 
 
 def with_prequantized(params: dict, prequantized: dict | None) -> dict:
-    """params with the weights `prequantize_weights` made copies of replaced by those copies (stacked
-    again where they came per layer), each around the weight in `params` itself: the gradient is taken w.r.t.
-    that one."""
+    """params with the weights `prequantize_weights` made copies of replaced by those copies
+    (stacked again where they came per layer), each around the weight in `params` itself: the
+    gradient is taken w.r.t. that one."""
     if not prequantized:
         return params
     blocks = dict(params["blocks"])
