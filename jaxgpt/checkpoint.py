@@ -467,11 +467,16 @@ def _held_stderr():
 class _DroppedReadTasks(logging.Filter):
     """asyncio logs "<Task, Future or _GatheringFuture> exception was never retrieved" when it
     garbage-collects a failed read's task or the gather around the step's reads, at an unpredictable
-    later moment (outside the attempt's hold on fd 2): drop those whose exception is a failed
-    checkpoint read (`_failed_read`), nothing else."""
+    later moment (outside the attempt's hold on fd 2), and "Task was destroyed but it is pending!"
+    for a read still pending when its loop closed: drop those whose exception is a failed
+    checkpoint read (`_failed_read`) and the pending ones of Orbax's read (`ORBAX_READ`), nothing else."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).split("\n", 1)[0].endswith("exception was never retrieved"):
+        message = str(record.msg)
+        first = message.split("\n", 1)[0]
+        if first == "Task was destroyed but it is pending!":
+            return f"{ORBAX_READ}()" not in message  # the task's coroutine, in its repr
+        if not first.endswith("exception was never retrieved"):
             return True
         return not (record.exc_info and _failed_read(record.exc_info[1]))
 
@@ -516,12 +521,12 @@ def _failed_read(exc: BaseException | None) -> bool:
 
 def _abandoned_read(unraisable) -> bool:
     """Whether an unraisable exception is an abandoned Orbax array read being closed: a coroutine
-    `ORBAX_READ` whose read was still pending when another read of the step failed, and which is
-    closed when it is garbage-collected, whenever that is. Its `except BaseException` turns the
-    close's GeneratorExit into an Exception (with TensorStore's whole spec) that nothing can receive,
-    so Python prints it as "Exception ignored in: <coroutine ...>" with a traceback."""
-    code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and code.co_name == ORBAX_READ and _failed_read(unraisable.exc_value)
+    (`ORBAX_READ`, or one awaiting it) whose read was still pending when another read of the step
+    failed, and which is closed when it is garbage-collected, whenever that is. Its `except
+    BaseException` turns the close's GeneratorExit into an Exception (with TensorStore's whole spec)
+    that nothing can receive, so Python prints it as "Exception ignored in: <coroutine ...>" with a
+    traceback."""
+    return getattr(unraisable.object, "cr_code", None) is not None and _failed_read(unraisable.exc_value)
 
 
 def _quiet_closed_loops() -> None:
