@@ -390,7 +390,13 @@ def test_ctrl_c_from_0_s_on_is_never_ignored(tmp_path, big):
                 if instant != "spawning workers" or sigint_held_off(proc.pid):
                     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
                     os.kill(proc.pid, signal.SIGCONT)
-                    code, err = proc.wait(timeout=60), proc.stderr.read()
+                    try:
+                        code = proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:  # say where it hung (CI at 8dc5899 met this once)
+                        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+                        raise AssertionError((instant, "still running 60 s after its Ctrl-C",
+                                              [line for line in status if line.startswith(("State", "Sig"))])) from None
+                    err = proc.stderr.read()
                     break
             finally:
                 if proc.poll() is None:  # missed the window, or a failed assertion: leave nothing behind
