@@ -211,9 +211,9 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     amax = _global(jnp.max(jnp.abs(w_c), axis=tuple(range(stacked, w.ndim))).astype(jnp.float32))
     scale = power_of_two_scale(amax, E4M3)
     q = _scaled_cast(w_c, scale.reshape(scale.shape + (1,) * (w.ndim - stacked)), E4M3)
-    perm = (*range(stacked), *range(stacked + contracted, w.ndim), *range(stacked, stacked + contracted))
     if axes is not None and "embed" in axes and splits("embed") > 1:
         return Prequantized(w, shard(q, *axes), None, scale)
+    perm = (*range(stacked), *range(stacked + contracted, w.ndim), *range(stacked, stacked + contracted))
     q_t = jnp.transpose(q, perm)
     if axes is not None:
         q, q_t = shard(q, *axes), shard(q_t, *(axes[i] for i in perm))
