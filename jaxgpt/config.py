@@ -125,8 +125,9 @@ class ModelConfig:
                               range=NONNEGATIVE)
     dtype: str = _f("auto", "compute dtype (parameters stay fp32): auto = bfloat16 on GPU/TPU, float32 on CPU",
                     ("auto", "float32", "bfloat16"))
-    attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla",
-                        ("auto", "xla", "cudnn"))
+    attention: str = _f("auto", "attention kernel: auto = cuDNN flash attention where it can run, else xla; "
+                        "mosaic = tokamax's Mosaic GPU flash attention (needs tokamax; plain causal only)",
+                        ("auto", "xla", "cudnn", "mosaic"))
     document_mask: bool = _f(False, "a token attends only to earlier tokens of its own document, documents "
                              "delimited by <|endoftext|> (which begins the next one as an input); off: causal "
                              "across the whole window (jaxgpt/model/documents.py)")
@@ -569,6 +570,13 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if m.moe_dispatch == "dropless" and m.fp8_linears() & {"expert_in", "expert_gate", "expert_out"}:
             raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
                             "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")
+    if m.attention == "mosaic" and (m.document_mask or sizes["cp"] > 1):
+        raise UserError("model.attention=mosaic runs plain causal attention only, not with "
+                        f"{'model.document_mask' if m.document_mask else 'cp'}; use model.attention=auto or cudnn")
+    if m.attention == "mosaic" and (manual := [a for a in ("pp", "dp", "ep") if sizes[a] > 1]):
+        raise UserError(f"model.attention=mosaic cannot run with {manual[0]}={sizes[manual[0]]}: tokamax's kernels do "
+                        "not differentiate inside the train step's per-shard loop (jaxgpt/model/flash.py); split "
+                        "the batch with fsdp instead of dp, or use model.attention=auto or cudnn")
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")

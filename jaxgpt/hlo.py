@@ -273,12 +273,28 @@ def fp8_gemm_operand_types(hlo: str) -> set[str]:
 
 
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
+# tokamax's flash attention (model.attention=mosaic, jaxgpt/model/flash.py), jaxgpt's only Mosaic GPU
+# kernels: the forward is traced as .../flash_attention_smNN/..., the backward's two (dQ; dK and dV)
+# under other names; the op's own metadata does not survive a sharded compile
+_MOSAIC_GPU = re.compile(r'custom_call_target="mosaic_gpu[^"]*"')
+_FLASH_FORWARD = re.compile(r'op_name="[^"]*/flash_attention_sm\d+/')
+
+
+def tokamax_attention_kind(line: str) -> str | None:
+    """'forward' or 'backward' for a kernel of tokamax's flash attention, else None."""
+    if not _MOSAIC_GPU.search(line):
+        return None
+    return "forward" if _FLASH_FORWARD.search(line) else "backward"
 
 
 def fused_attention_counts(hlo: str) -> dict[str, int]:
-    """cuDNN fused-attention calls in XLA:GPU's compiled HLO: {'forward': n, 'backward': m}
-    (custom calls `__cudnn$fmha...`; a loop body's call is counted once, as written)."""
+    """Fused-attention kernels in XLA:GPU's compiled HLO: {'forward': n, 'backward': m}: cuDNN's
+    custom calls `__cudnn$fmha...` (one backward call per layer) and tokamax's (model.attention=mosaic:
+    two backward kernels per layer, dQ and dK/dV); a loop body's call is counted once, as written."""
     out = {"forward": 0, "backward": 0}
     for kind in _FMHA.findall(hlo):
         out["backward" if "Backward" in kind else "forward"] += 1
+    for line in hlo.splitlines():
+        if kind := tokamax_attention_kind(line):
+            out[kind] += 1
     return out

@@ -278,7 +278,8 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
         # compile-only GPUs cannot run; only tracing needs the mesh.
         setup = make_setup(cfg, mesh)
         state, batch = abstract_inputs(cfg, mesh, setup)
-        with jax.set_mesh(mesh):
+        # the default device too: what tokamax's kernels are chosen by (jaxgpt/model/flash.py)
+        with jax.set_mesh(mesh), jax.default_device(devices[0]) if target else contextlib.nullcontext():
             lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
     return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target,
                    bool(cfg.model.fp8_linears()) or cfg.model.fp8_head)

@@ -26,6 +26,10 @@
 #   cublas   gpt2-124m and gpt2-1.3b in bf16 with XLA's Triton GEMMs off, so every GEMM is a cuBLASLt call
 #            and the MLP's bias + GELU run in its epilogue (issue 40; predicted 991.2 -> 964.7 ms and
 #            4,179.4 -> 4,135.8 ms on an H100, docs/benchmarks.md stop 49): against bench124/bench13
+#   attention scripts/attention_bench.py: causal attention alone, forward and backward, at gpt2-124m's and
+#            gpt2-1.3b's shapes: cuDNN as the model calls it, cuDNN in BNTH layout, tokamax's Mosaic GPU
+#            and Triton flash attention, XLA; each against the fp32 reference (issue 40 item 2); then
+#            gpt2-124m's step with model.attention=mosaic (predicted 1,051.7 ms, cuDNN's 991.2: stop 50)
 #   profile  scripts/profile_step.py for gpt2-124m and gpt2-1.3b as bundled: a jax.profiler trace of 3
 #            steps, the measured time per group next to jaxgpt/gpu/cost.py's prediction, top kernels
 #   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
@@ -40,7 +44,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu_checks}
 shift || true
-GROUPS_TO_RUN=${*:-parity plan bench124 bench13 heldout slice auto cublas profile fp8loss}
+GROUPS_TO_RUN=${*:-parity plan bench124 bench13 heldout slice auto cublas attention profile fp8loss}
 PY=${PYTHON:-python}
 LIMIT=${STEP_TIMEOUT:-600}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}  # one GPU: --mesh dp=1 must cover every device
@@ -109,6 +113,10 @@ for group in $GROUPS_TO_RUN; do
       (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
        bench 124m-bf16-cublas --config gpt2-124m --mesh dp=1
        bench 1.3b-bf16-cublas --config gpt2-1.3b --mesh dp=1) ;;
+    attention)
+      step attention "$PY" scripts/attention_bench.py
+      { echo; grep '^|' "$OUT/attention.txt"; } >>"$OUT/kernels.md"
+      bench 124m-mosaic --config gpt2-124m --mesh dp=1 model.attention=mosaic ;;
     profile)
       step profile-124m "$PY" scripts/profile_step.py --config gpt2-124m --mesh dp=1 --out "$OUT/trace-124m" --top 40
       step profile-1.3b "$PY" scripts/profile_step.py --config gpt2-1.3b --mesh dp=1 --out "$OUT/trace-1.3b" --top 40 ;;
@@ -128,7 +136,7 @@ for group in $GROUPS_TO_RUN; do
         other=$(final_loss "$runs/fp8-false-seed1") &&
         "$PY" -c 'import sys; a,b,c=map(float,sys.argv[1:]); print(f"fp8 vs bf16 final loss: {b:.4f} vs {a:.4f}, gap {100*abs(b-a)/a:.2f}% (goal < 1%); bf16 seed 0 vs 1: {a:.4f} vs {c:.4f}, spread {100*abs(c-a)/a:.2f}%")' \
           "$bf16" "$fp8" "$other" | tee -a "$OUT/kernels.md" ;;
-    *) echo "unknown group $group (parity plan bench124 bench13 heldout slice auto cublas profile fp8loss)" >&2; exit 2 ;;
+    *) echo "unknown group $group (parity plan bench124 bench13 heldout slice auto cublas attention profile fp8loss)" >&2; exit 2 ;;
   esac
 done
 { echo; cat "$OUT/kernels.md"; } >>"$OUT/summary.md"

@@ -100,3 +100,13 @@ def step_metrics(cfg, devices, steps: int = 2) -> list[dict]:
             state, metrics = step(state, packed_batch(seed))
             out.append(jax.device_get(metrics))
     return out
+
+
+def script_module(name: str):
+    """scripts/NAME.py, imported from its file (scripts/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

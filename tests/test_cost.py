@@ -1,7 +1,9 @@
 """The step-time model (jaxgpt/gpu/cost.py) on HLO small enough to check by hand: no compiles."""
 
 import pytest
+from helpers import script_module
 
+from jaxgpt import hlo
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf
 
@@ -187,6 +189,40 @@ def test_causal_cudnn_attention_counts_half_the_scores_and_backward_is_2_5x():
         2.5 * 4 * 2 * 4 * 512 * 512 * 64 / 2
 
 
+TOKAMAX = """%dynamic-slice-fusion (p0: bf16[2,512,4,64], p1: bf16[2,512,2,64], p2: f32[2,4,512]) -> bf16[2,512,4,64] {
+  %p0 = bf16[2,512,4,64]{3,2,1,0} parameter(0)
+  %p1 = bf16[2,512,2,64]{3,2,1,0} parameter(1)
+  %p2 = f32[2,4,512]{2,1,0} parameter(2)
+  ROOT %mpmd_map.2 = bf16[2,512,4,64]{3,2,1,0} custom-call(%p0, %p1, %p1, %p0, %p2, %p2, %p0), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[2,512,4,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,4,64]{3,2,1,0}, f32[2,4,512]{2,1,0}, f32[2,4,512]{2,1,0}, bf16[2,512,4,64]{3,2,1,0}}, metadata={op_name="jit(f)/transpose(jvp())/vmap()/batched_body/mpmd_map"}
+}
+
+ENTRY %main (q: bf16[2,512,4,64], kv: bf16[2,512,2,64], s: f32[2,4,512]) -> bf16[2,512,4,64] {
+  %q = bf16[2,512,4,64]{3,2,1,0} parameter(0)
+  %kv = bf16[2,512,2,64]{3,2,1,0} parameter(1)
+  %s = f32[2,4,512]{2,1,0} parameter(2)
+  %mpmd_map.1 = (bf16[2,512,4,64]{3,2,1,0}, f32[2,4,512]{2,1,0}, f32[2,4,512]{2,1,0}) custom-call(%q, %kv, %kv), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[2,512,4,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}}, metadata={op_name="jit(f)/jvp()/vmap()/flash_attention_sm90/mpmd_map"}
+  %mpmd_map.3 = (bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}) custom-call(%q, %kv, %kv, %q, %s, %s, %q), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[2,512,4,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,2,64]{3,2,1,0}, bf16[2,512,4,64]{3,2,1,0}, f32[2,4,512]{2,1,0}, f32[2,4,512]{2,1,0}, bf16[2,512,4,64]{3,2,1,0}}, metadata={op_name="jit(f)/transpose(jvp())/vmap()/batched_body/mpmd_map"}
+  ROOT %dynamic_slice_fusion = bf16[2,512,4,64]{3,2,1,0} fusion(%q, %kv, %s), kind=kCustom, calls=%dynamic-slice-fusion
+}
+"""
+
+
+def test_tokamax_flash_attention_is_costed_as_causal_attention_forward_dq_and_dkv():
+    """model.attention=mosaic (jaxgpt/model/flash.py): tokamax's forward kernel (named
+    flash_attention_sm90) counts cuDNN's causal FLOPs from its q [B, T, H, K] and k [B, S, G, K];
+    its backward is two kernels, dQ (3 matmuls: 1.5x the forward) and dK/dV (4: 2x), the dQ one here
+    inside XLA's dynamic-slice fusion as XLA:GPU compiles it; all at the attention efficiencies."""
+    assert hlo.fused_attention_counts(TOKAMAX) == {"forward": 1, "backward": 2}
+    forward = 4 * 2 * 4 * 512 * 512 * 64 / 2
+    kernels = {k.name: k for k in cost.kernels(TOKAMAX, P)[0]}
+    assert {name: (k.group, k.flops) for name, k in kernels.items()} == {
+        "mpmd_map.1": (cost.ATTENTION, forward), "mpmd_map.3": (cost.ATTENTION, 2 * forward),
+        "dynamic_slice_fusion": (cost.ATTENTION, 1.5 * forward)}
+    for name, efficiency in (("mpmd_map.1", 0.5), ("mpmd_map.3", 0.25)):  # P's forward and backward at K=64
+        k = kernels[name]
+        assert k.seconds == pytest.approx(max(k.flops / (1e12 * efficiency), k.bytes / 1e9) + 1e-6)
+
+
 def test_all_reduce_costs_ring_wire_bytes_over_the_link():
     text = """ENTRY %main (g: f32[1000]) -> f32[1000] {
   %g = f32[1000]{0} parameter(0)
@@ -367,25 +403,13 @@ def test_fp8_path_costs_its_amax_casts_and_f8_copies_in_their_own_group():
     assert gemm.bytes == 1024 * 512 + 512 * 2048 + 2 * 1024 * 2048  # e4m3 operands, bf16 result
 
 
-def _collective_check():
-    """scripts/collective_check.py, imported from its file (scripts/ is not a package)."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "collective_check.py"
-    spec = importlib.util.spec_from_file_location("collective_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_collective_costs_are_within_20_percent_of_published_nccl_tests_bus_bandwidth():
     """The model's NVLink and per-NIC constants against the large-message busbw NCCL's maintainers
     publish for H100 nodes (docs/benchmarks.md, "Collectives: the step-time model against published
     nccl-tests figures"): inside a node and over one NIC per GPU the time is within -18%..+7%; a
     ring over whole nodes takes all 8 NICs of each (one ring per NIC), 38% optimistic against a
     user's 256-GPU all-gather that its author calls low (one NIC, before issue 42's fix: +312%)."""
-    check = _collective_check()
+    check = script_module("collective_check")
     rows = check.table("h100")
     assert {r["source"] for r in rows} <= set(check.SOURCES)
     one_nic_or_nvlink = [r for r in rows if r["nodes"] == 1 or r["gpus"] // r["nodes"] == 1 or r["op"] == "all-to-all"]

@@ -30,6 +30,7 @@ from jaxgpt.gpu import cost, perf
 from jaxgpt.gpu.target import INSTALL, compile_only_devices, device_memory_bytes, plugin_missing_reason
 from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts,
                         gemm_layers, while_bodies)
+from jaxgpt.model import flash
 from jaxgpt.plan import Compiled, lower_step, plan
 
 needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
@@ -69,7 +70,7 @@ def h100s() -> list:
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
     """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'gpt2_one_gpu' (bf16 and fp8) and 'modern' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
+    'gpt2_one_gpu' (bf16 and fp8), 'modern', 'documents', 'context' and 'mosaic' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
     them. Lowered one at a time (tracing holds the GIL), compiled in threads (XLA:GPU's compile
     mostly runs on one core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
@@ -81,6 +82,8 @@ def compiled(h100s) -> dict[str, Compiled]:
     jobs["modern"] = lower_step(tiny_config(*MODERN, "train.grad_accum=2", mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["documents"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
     jobs["context"] = lower_step(tiny_config(*DOCUMENTS, mesh="dp=2,cp=2,tp=2"), h100s, "h100"), None
+    if flash.unavailable_reason() is None:  # tokamax: Python >= 3.12
+        jobs["mosaic"] = lower_step(tiny_config(*MODERN, *MOSAIC, mesh="fsdp=4,tp=2"), h100s, "h100"), None
     with ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1))) as pool:
         return dict(zip(jobs, pool.map(lambda job: job[0].compile(job[1]), jobs.values())))
 
@@ -553,3 +556,29 @@ def test_context_parallel_document_masking_is_a_cudnn_kernel_on_each_devices_que
     T = 96
     square = {shape for shape in re.findall(r"\w+\[([\d,]+)\]", text) if shape.split(",").count(str(T)) >= 2}
     assert not square, square
+
+
+MOSAIC = ["model.attention=mosaic", "train.grad_accum=2"]
+
+
+@needs_plugin
+@pytest.mark.skipif(flash.unavailable_reason() is not None, reason=f"model.attention=mosaic {flash.unavailable_reason()}")
+def test_mosaic_attention_is_tokamaxs_flash_kernels_costed_as_attention(compiled):
+    """model.attention=mosaic (jaxgpt/model/flash.py) on the modern block (grouped K/V, fp8) under
+    fsdp x tp: forward and backward are tokamax's Mosaic GPU kernels (for the H100 its sm90 ones:
+    the forward, then dQ and dK/dV), no cuDNN call remains, K and V reach the kernels at their own
+    head count (1 per device, q 2), and the step-time model costs every one as attention with its
+    FLOPs (none falls to 'other', bytes only)."""
+    c = compiled["mosaic"]
+    assert c.kernel == "mosaic", c.why
+    text = c.compiled.as_text()
+    counts = fused_attention_counts(text)
+    assert counts["forward"] == 1 and counts["backward"] == 2, counts  # per layer loop body, as written
+    assert "__cudnn$fmha" not in text
+    for line in text.splitlines():
+        if 'custom_call_target="mosaic_gpu' in line and "custom-call(" in line:
+            q, k = re.findall(r"[a-z0-9]+\[([\d,]+)\]", line.split("operand_layout_constraints={", 1)[1])[:2]
+            assert q.split(",")[2] == "2" and k.split(",")[2] == "1", (q, k)
+    # the backward's two reach the model inside XLA's dynamic-slice fusions (their statistics read in place)
+    flash_kernels = [k for k in cost.kernels(text, perf.perf("h100"), 8)[0] if k.group == cost.ATTENTION]
+    assert len(flash_kernels) == 3 and all(k.flops > 0 for k in flash_kernels), flash_kernels

@@ -13,7 +13,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.model.attention import causal_attention, cudnn_unavailable_reason, reference_attention, select_kernel
+from jaxgpt.model import flash
+from jaxgpt.model.attention import (causal_attention, cudnn_unavailable_reason, gpu_unavailable_reason,
+                                    reference_attention, select_kernel)
 from jaxgpt.model.documents import documents
 from jaxgpt.model.fp8 import E4M3, E5M2, fp8_einsum, power_of_two_scale, quantize
 from jaxgpt.parallel.mesh import make_mesh, named
@@ -27,7 +29,8 @@ def _qkv(dtype, B=2, T=64, H=4, K=32):
     return [jax.random.normal(k, (B, T, H, K), jnp.float32).astype(dtype) for k in keys]
 
 
-KERNEL_CASES = [("xla", jnp.float32, 1e-5), ("xla", jnp.bfloat16, 2e-2), ("cudnn", jnp.bfloat16, 2e-2)]
+KERNEL_CASES = [("xla", jnp.float32, 1e-5), ("xla", jnp.bfloat16, 2e-2), ("cudnn", jnp.bfloat16, 2e-2),
+                ("mosaic", jnp.bfloat16, 2e-2)]  # the GPU kernels run where JAXGPT_TEST_GPU=1 shows a GPU
 # model.document_mask: rows of several documents (a boundary at 0 too), XLA's boolean mask and cuDNN's packed layout
 MASKED_CASES = [("xla", jnp.float32, 1e-5), ("cudnn", jnp.bfloat16, 2e-2)]
 
@@ -38,10 +41,12 @@ def test_kernel_matches_reference_forward_and_gradients(impl, dtype, atol, maske
     """Forward and d/d(q, k, v) of each kernel against the textbook formula in fp32. The bf16
     bound is bf16's rounding (~3 significant digits) on values of order 1."""
     device = jax.devices()[0]
-    if impl == "cudnn":
+    if impl in ("cudnn", "mosaic"):
         device = next(iter(_gpus()), device)
-        if reason := cudnn_unavailable_reason(dtype, 32, device, document_mask=masked):
-            pytest.skip(f"cuDNN flash attention cannot run here: {reason} (JAXGPT_TEST_GPU=1 on a GPU host runs it)")
+        reason = (cudnn_unavailable_reason(dtype, 32, device, document_mask=masked) if impl == "cudnn"
+                  else gpu_unavailable_reason(dtype, device) or flash.unavailable_reason())
+        if reason:
+            pytest.skip(f"{impl} flash attention cannot run here: {reason} (JAXGPT_TEST_GPU=1 on a GPU host runs it)")
     with jax.default_device(device):
         _check_kernel(impl, dtype, atol, masked)
 
@@ -78,6 +83,23 @@ def test_auto_falls_back_to_xla_with_a_reason_and_cudnn_is_refused_on_cpu():
     assert kernel == "xla" and "NVIDIA GPU" in why
     with pytest.raises(UserError, match="model.attention=cudnn cannot run here"):
         select_kernel("cudnn", jnp.bfloat16, 64)
+    with pytest.raises(UserError, match="model.attention=mosaic cannot run here: it needs an NVIDIA GPU"):
+        select_kernel("mosaic", jnp.bfloat16, 64)
+
+
+@pytest.mark.parametrize("overrides, mesh, words", [
+    (["model.document_mask=true"], "fsdp=8", "not with model.document_mask"),
+    ([], "cp=2,fsdp=4", "not with cp"),
+    ([], "dp=2,fsdp=4", "cannot run with dp=2"),
+    ([], "pp=2,fsdp=4", "cannot run with pp=2"),
+])
+def test_mosaic_attention_outside_its_layouts_is_one_line_before_compiling(overrides, mesh, words):
+    """model.attention=mosaic (jaxgpt/model/flash.py) runs plain causal attention in steps with no
+    manual shard_map; anything else is refused by validate, naming what to use instead."""
+    cfg = tiny_config("model.attention=mosaic", "model.n_layer=4", *overrides, mesh=mesh)
+    with pytest.raises(UserError, match=words) as e:
+        validate(cfg, 8)
+    assert "model.attention=auto or cudnn" in str(e.value) and "\n" not in str(e.value)
     proc = run_cli("--mesh", "dp=8", "model.attention=cudnn", "train.steps=1")
     assert proc.returncode == 2 and "cannot run here" in proc.stderr and "Traceback" not in proc.stderr
 

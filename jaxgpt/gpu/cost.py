@@ -26,6 +26,11 @@ What a kernel is, and what it costs
 - cuDNN fused attention (`__cudnn$fmha*`): FLOPs = 4 x B x H x Tq x Tk x D forward (QK^T and PV),
   halved for a causal mask, 2.5x that backward (dQ, dK, dV and the recomputed scores), at an
   efficiency that depends on the head dimension D (perf.attention_efficiency).
+- tokamax's Mosaic GPU flash attention (`model.attention=mosaic`, a `mosaic_gpu` custom call whose
+  metadata names the tokamax op and its q and k): the same forward FLOPs; its backward is two
+  kernels, dQ (3 matmuls: 1.5x the forward) and dK/dV (4 matmuls: 2x), as FlashAttention-2/3 split
+  it. No GPU has timed them yet: they are costed at cuDNN's efficiencies per FLOP (an assumption
+  scripts/attention_bench.py is there to replace).
 - Any other fusion, copy or unfused op: bytes only. A fusion reads each operand whole, except one
   it only slices (a scan reading layer l of stacked weights reads that slice) or updates in place
   (dynamic-update-slice into a scan's stacked outputs writes only the update).
@@ -216,6 +221,22 @@ def attention_flops(line: str, operand_types: list[str]) -> float:
     return flops * (2.5 if "Backward" in line else 1.0)
 
 
+def tokamax_attention_flops(line: str, operand_types: list[str], result: str) -> tuple[float, bool, int] | None:
+    """(FLOPs, backward?, head dim) of one kernel of tokamax's flash attention (model.attention=mosaic),
+    from its first two operands, q [B, T, H, K] and k [B, S, G, K] as the kernel takes them (padded
+    to its tiles: T and S to 64-row blocks, K to 64 features), causal as jaxgpt calls it; None for
+    any other custom call."""
+    kind = hlo.tokamax_attention_kind(line)
+    q, k = (_dims(t) for t in (operand_types + ["", ""])[:2])
+    if kind is None or len(q) < 4 or len(k) < 4:
+        return None
+    *_, t, h, d = q
+    flops = 4.0 * math.prod(q[:-3]) * h * t * k[-3] * d / 2  # causal: half the blocks
+    if kind == "forward":
+        return flops, False, d
+    return flops * (2.0 if result.startswith("(") else 1.5), True, d  # dK and dV: 4 matmuls; dQ: 3
+
+
 def _fused_bytes(comp: list[Instr]) -> float:
     """Bytes a fusion moves: each parameter read whole, or only the slices taken of it, or not at
     all when it is the buffer a dynamic-update-slice writes in place; the root written whole, or
@@ -276,6 +297,28 @@ def _gemm_call(i: Instr, operand_types: list[str], times: int, p: Perf) -> Kerne
     first = re.match(r"\(?([a-z0-9]+\[[^\]]*\])", i.shape).group(1)  # result, not the workspace
     nbytes = hlo.shape_bytes(operand_types[0]) + hlo.shape_bytes(operand_types[1]) + hlo.shape_bytes(first)
     return Kernel(i.name, GEMM, times, 2.0 * g.batch * g.m * g.n * g.k, nbytes, gemm_seconds(g, nbytes, p))
+
+
+def _attention_call(i: Instr, operand_types: list[str], times: int, p: Perf) -> Kernel | None:
+    """A fused-attention custom call (cuDNN's, tokamax's) costed by its FLOPs, else None."""
+    target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
+    # the operands' types as the call wants them (an operand itself is often a bitcast of another layout)
+    constraints = i.line.split("operand_layout_constraints={", 1)
+    laid_out = re.findall(r"[a-z0-9]+\[[^\]]*\]", constraints[1]) if len(constraints) > 1 else operand_types
+    if "fmha" in target:
+        attention = (attention_flops(i.line, laid_out), "Backward" in target, _dims(laid_out[0])[-1] if laid_out else 0)
+    elif target.startswith("mosaic_gpu"):
+        attention = tokamax_attention_flops(i.line, laid_out, i.shape)
+    else:
+        return None
+    if attention is None:
+        return None
+    flops, backward, head_dim = attention
+    nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
+    points = p.attention_backward_efficiency if backward else p.attention_forward_efficiency
+    seconds = max(flops / (p.peak_flops * attention_efficiency(points, head_dim)),
+                  nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
+    return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
 
 
 class _Walker:
@@ -368,17 +411,9 @@ class _Walker:
             return Kernel(i.name, COLLECTIVE, times, 0.0, wire, wire / bandwidth + steps * latency + p.launch_seconds,
                           axes)
         if op == "custom-call":
-            target = m.group(1) if (m := re.search(r'custom_call_target="([^"]*)"', i.line)) else ""
             nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
-            if "fmha" in target:
-                # Q's type as the call wants it (the operand itself is often a bitcast of another layout)
-                constraints = i.line.split("operand_layout_constraints={", 1)
-                q_kv = re.findall(r"[a-z0-9]+\[[^\]]*\]", constraints[1]) if len(constraints) > 1 else operand_types
-                flops = attention_flops(i.line, q_kv)
-                points = p.attention_backward_efficiency if "Backward" in target else p.attention_forward_efficiency
-                eff = attention_efficiency(points, _dims(q_kv[0])[-1] if q_kv else 0)
-                seconds = max(flops / (p.peak_flops * eff), nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
-                return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
+            if k := _attention_call(i, operand_types, times, p):
+                return k
             if _is_gemm_call(i) and len(operand_types) >= 2:
                 return _gemm_call(i, operand_types, times, p)
             return Kernel(i.name, OTHER, times, 0.0, nbytes, memory_seconds(nbytes, p))
@@ -386,10 +421,13 @@ class _Walker:
             callee = _called(i.line)[0]
             body = self._all(callee)
             calls = [d for d in body if _is_gemm_call(d) and len(d.operands) >= 2]
+            inner = {d.name: d.shape for d in body}
             if calls:  # XLA's dynamic-slice fusion: a cuBLAS call that reads its operands' slices in place
-                inner = {d.name: d.shape for d in body}
                 k = _gemm_call(calls[0], [inner.get(o, "") for o in calls[0].operands], times, p)
                 return k._replace(name=i.name)
+            for d in body:  # the same around an attention kernel (tokamax's backward, reading its statistics)
+                if d.opcode == "custom-call" and (k := _attention_call(d, [inner.get(o, "") for o in d.operands], times, p)):
+                    return k._replace(name=i.name)
             nbytes = _fused_bytes(self.comps.get(callee, []))
             dots = [d for d in body if d.opcode in ("dot", "scaled-dot")]
             if dots:

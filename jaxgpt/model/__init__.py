@@ -2,7 +2,8 @@
 
     gpt.py        the model: embeddings, the scanned blocks, the head; parameter layout; param_count
     blocks.py     pre-norm residual blocks, the MoE block, MoE groups
-    attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn)
+    attention.py  the attention layer, its KV cache, and the kernel choice (xla / cudnn / mosaic)
+    flash.py      model.attention=mosaic: tokamax's Pallas Mosaic GPU flash attention
     positions.py  rotary position embeddings (model.position=rope)
     documents.py  document masking (model.document_mask): documents from <|endoftext|>, masks, window stats
     layers.py     parameters with logical axes, compute dtype, the Norm layer, the dense MLP

@@ -9,9 +9,14 @@ once per run by `select_kernel` from `model.attention`:
            scores, so memory is linear in T and it is several times faster on Hopper. It needs an
            NVIDIA GPU of compute capability >= 8.0, bf16 or fp16 inputs, and a head dim that is a
            multiple of 8 and at most 128.
+    mosaic tokamax's Pallas Mosaic GPU flash attention (jaxgpt/model/flash.py): FlashAttention-3's
+           design on Hopper, written in JAX; an NVIDIA GPU of compute capability >= 8.0, bf16 or
+           fp16, plain causal attention (no document_mask, no cp), no dp, ep or pp axis (fsdp and
+           tp are fine), and tokamax installed. Not chosen by auto until a GPU measures it faster
+           than cuDNN (scripts/attention_bench.py).
     auto   cudnn where all of that holds, else xla; the reason is logged once at start-up.
 
-Asking for `cudnn` where it cannot run is a `UserError` raised before compilation.
+Asking for `cudnn` or `mosaic` where it cannot run is a `UserError` raised before compilation.
 
 Document masking (model.document_mask, jaxgpt/model/documents.py) reaches both kernels as the
 documents' start positions: XLA's takes a boolean [B, 1, T, T] mask beside `is_causal`; cuDNN's
@@ -49,6 +54,7 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention  # packe
 from jaxgpt.config import ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
+from jaxgpt.model import flash
 from jaxgpt.model.documents import Documents, packed_segments, visible
 from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
 from jaxgpt.model.positions import rope
@@ -57,22 +63,30 @@ from jaxgpt.parallel.manual import per_shard
 from jaxgpt.parallel.mesh import shard
 from jaxgpt.parallel.pipeline import vary
 
-KERNELS = ("auto", "xla", "cudnn")
+KERNELS = ("auto", "xla", "cudnn", "mosaic")
+
+
+def gpu_unavailable_reason(dtype: jnp.dtype, device: jax.Device) -> str | None:
+    """Why a flash kernel for NVIDIA GPUs (cudnn, mosaic) cannot run on `device` in `dtype`, or None."""
+    if device.platform != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
+        return f"it needs an NVIDIA GPU (this is {device.platform})"
+    capability = float(getattr(device, "compute_capability", "0") or 0)
+    if capability < 8.0:
+        return f"it needs compute capability >= 8.0 (this GPU has {capability})"
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        return f"it needs bf16 or fp16 compute (model.dtype gives {jnp.dtype(dtype).name})"
+    return None
 
 
 def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device | None = None,
                              document_mask: bool = False) -> str | None:
     """Why cuDNN flash attention cannot run here, or None if it can."""
     device = device or target_device()  # a compile-only GPU while compiling for one (jaxgpt.gpu)
-    if device.platform != "gpu" or "NVIDIA" not in getattr(device, "device_kind", "NVIDIA"):
-        return f"it needs an NVIDIA GPU (this is {device.platform})"
+    if reason := gpu_unavailable_reason(dtype, device):
+        return reason
     capability = float(getattr(device, "compute_capability", "0") or 0)
-    if capability < 8.0:
-        return f"it needs compute capability >= 8.0 (this GPU has {capability})"
     if document_mask and capability < 9.0:
         return f"with model.document_mask its packed layout needs compute capability >= 9.0 (this GPU has {capability})"
-    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-        return f"it needs bf16 or fp16 compute (model.dtype gives {jnp.dtype(dtype).name})"
     if head_dim % 8 or head_dim > 128:
         return f"it needs a head dim that is a multiple of 8 and at most 128 (this model has {head_dim})"
     return None
@@ -82,6 +96,10 @@ def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int, document_mask
     """(kernel, why) for `model.attention`; raises UserError if cudnn is asked for and cannot run."""
     if requested == "xla":
         return "xla", "model.attention=xla"
+    if requested == "mosaic":
+        if reason := (gpu_unavailable_reason(dtype, target_device()) or flash.unavailable_reason()):
+            raise UserError(f"model.attention=mosaic cannot run here: {reason}; use model.attention=auto or xla")
+        return "mosaic", "model.attention=mosaic"
     reason = cudnn_unavailable_reason(dtype, head_dim, document_mask=document_mask)
     if requested == "cudnn":
         if reason:
@@ -96,9 +114,11 @@ def causal_attention(q_BTHK: jax.Array, k_BTHK: jax.Array, v_BTHK: jax.Array, *,
                      docs: Documents | None = None, max_documents: int = 64) -> jax.Array:
     """softmax(q k^T / sqrt(K) + causal mask) v, returning [B, T, H, K] in the inputs' dtype; with
     `docs` each query sees only its own document (module docstring)."""
-    if impl not in ("xla", "cudnn"):
+    if impl not in ("xla", "cudnn", "mosaic"):
         raise ValueError(f"unresolved attention kernel {impl!r}: call select_kernel first")
     heads = ("batch", "seq", "act_heads", None)
+    if impl == "mosaic":  # plain causal only (jaxgpt.config.validate); per device, as cuDNN's
+        return per_shard(flash.attend, heads, q_BTHK, k_BTHK, v_BTHK)
     if cp_ways() > 1:  # context parallel: docs holds each index's position (jaxgpt/parallel/context.py)
         return _context_parallel(q_BTHK, k_BTHK, v_BTHK, docs, impl)
     if impl == "cudnn" and docs is not None:
