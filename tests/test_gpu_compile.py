@@ -22,12 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import pytest
-from helpers import REPO, TINY, tiny_config
+from helpers import REPO, TINY, script_module, tiny_config
 
 from jaxgpt import hlo
 from jaxgpt.config import load_config
 from jaxgpt.gpu import cost, perf
-from jaxgpt.gpu.target import INSTALL, compile_only_devices, device_memory_bytes, plugin_missing_reason
+from jaxgpt.gpu.target import INSTALL, compile_only_devices, compiling_for, device_memory_bytes, plugin_missing_reason
 from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts,
                         gemm_layers, while_bodies)
 from jaxgpt.model import flash
@@ -582,3 +582,26 @@ def test_mosaic_attention_is_tokamaxs_flash_kernels_costed_as_attention(compiled
     # the backward's two reach the model inside XLA's dynamic-slice fusions (their statistics read in place)
     flash_kernels = [k for k in cost.kernels(text, perf.perf("h100"), 8)[0] if k.group == cost.ATTENTION]
     assert len(flash_kernels) == 3 and all(k.flops > 0 for k in flash_kernels), flash_kernels
+
+
+@needs_plugin
+@pytest.mark.skipif(flash.unavailable_reason() is not None, reason=f"tokamax: {flash.unavailable_reason()}")
+def test_attention_bench_kernels_compile_for_h100_forward_and_backward(h100s):
+    """scripts/attention_bench.py (the GPU checks' attention group) traces and compiles every
+    kernel it times, forward and backward, for an H100: each is the custom call it names, so a GPU's
+    minutes go to timing, not to a script that fails."""
+    bench = script_module("attention_bench")
+    targets = {"cudnn": "__cudnn$fmha", "cudnn-bnth": "__cudnn$fmha", "mosaic": "mosaic_gpu",
+               "triton": "__gpu$xla.gpu.triton", "xla": None}
+    assert set(targets) == set(bench.KERNELS)
+    B, T, H, K = 2, 256, 2, 64
+    for kernel, target in targets.items():
+        shape = (B, H, T, K) if kernel == "cudnn-bnth" else (B, T, H, K)
+        arg = jax.ShapeDtypeStruct(shape, jax.numpy.bfloat16, sharding=jax.sharding.SingleDeviceSharding(h100s[0]))
+        attend = bench.attend_fn(kernel)
+        with compiling_for(h100s, "h100"), jax.default_device(h100s[0]):  # tokamax reads the default device
+            text = jax.jit(lambda q, k, v, d, attend=attend: jax.vjp(attend, q, k, v)[1](d)).lower(
+                arg, arg, arg, arg).compile().as_text()
+        calls = set(re.findall(r'custom_call_target="([^"]+)"', text))
+        kernels = {c for c in calls if c.startswith(("__cudnn$fmha", "mosaic_gpu", "__gpu$xla.gpu.triton"))}
+        assert (kernels and all(c.startswith(target) for c in kernels)) if target else not kernels, (kernel, calls)
