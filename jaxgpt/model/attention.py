@@ -93,7 +93,7 @@ def cudnn_unavailable_reason(dtype: jnp.dtype, head_dim: int, device: jax.Device
 
 
 def select_kernel(requested: str, dtype: jnp.dtype, head_dim: int, document_mask: bool = False) -> tuple[str, str]:
-    """(kernel, why) for `model.attention`; raises UserError if cudnn is asked for and cannot run."""
+    """(kernel, why) for `model.attention`; raises UserError if cudnn or mosaic is asked for and cannot run."""
     if requested == "xla":
         return "xla", "model.attention=xla"
     if requested == "mosaic":
