@@ -434,6 +434,9 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     if p.get("predicted"):
         from jaxgpt.gpu.cost import format_estimate
         lines += ["", format_estimate(p["predicted"])]
+        if p["attention"]["kernel"] == "mosaic":
+            lines.append("(model.attention=mosaic: tokamax's kernels are costed at cuDNN's measured efficiencies per "
+                         "FLOP; no GPU has timed them yet, docs/benchmarks.md)")
     return "\n".join(lines)
 
 
