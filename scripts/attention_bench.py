@@ -27,8 +27,9 @@ Prints one markdown row per kernel and shape: forward ms, forward + backward ms 
 their TFLOP/s with the FLOPs counted the same for every kernel, as jaxgpt/gpu/cost.py counts cuDNN's
 (4 B H T^2 K forward, halved for the causal mask, 2.5x that backward), the largest |error| of the output and of
 dq, dk, dv against the fp32 reference (on 2 rows of the batch; bf16's rounding is ~2e-2 on these
-values, tests/test_kernels.py's bound), and for cudnn the step-time model's prediction of the same
-two calls (jaxgpt/gpu/perf.py's attention efficiencies). Medians of --reps calls after 2 untimed.
+values, tests/test_kernels.py's bound), and for cudnn and mosaic the step-time model's prediction of
+the same two calls (jaxgpt/gpu/perf.py's cuDNN efficiencies for both: mosaic's is the assumption to
+check). Medians of --reps calls after 2 untimed.
 """
 
 from __future__ import annotations
@@ -69,13 +70,22 @@ def flops(B: int, T: int, H: int, K: int) -> tuple[float, float]:
     return forward, 2.5 * forward
 
 
-def predicted_cudnn_ms(B: int, T: int, H: int, K: int, target: str = "h100") -> tuple[float, float]:
-    """The step-time model's cuDNN forward and forward + backward ms for this shape."""
+# the step-time model's backward per kernel, in forward FLOPs and kernels (jaxgpt/gpu/cost.py):
+# cuDNN's one call of 5 matmuls; tokamax's dQ (3) and dK/dV (4)
+BACKWARD = {"cudnn": (2.5,), "cudnn-bnth": (2.5,), "mosaic": (1.5, 2.0)}
+
+
+def predicted_ms(kernel: str, B: int, T: int, H: int, K: int, target: str = "h100") -> tuple[float, float] | None:
+    """The step-time model's forward and forward + backward ms of `kernel` at this shape (None for
+    a kernel the model does not cost), at cuDNN's measured efficiencies per FLOP for every one."""
+    if kernel not in BACKWARD:
+        return None
     from jaxgpt.gpu.perf import attention_efficiency, perf
     p = perf(target)
-    fwd, bwd = flops(B, T, H, K)
+    fwd = flops(B, T, H, K)[0]
     f = fwd / (p.peak_flops * attention_efficiency(p.attention_forward_efficiency, K)) + p.launch_seconds
-    b = bwd / (p.peak_flops * attention_efficiency(p.attention_backward_efficiency, K)) + p.launch_seconds
+    b = sum(x * fwd / (p.peak_flops * attention_efficiency(p.attention_backward_efficiency, K)) + p.launch_seconds
+            for x in BACKWARD[kernel])
     return 1e3 * f, 1e3 * (f + b)
 
 
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     if jax.devices()[0].platform != "gpu":
         print("this needs an NVIDIA GPU (this is a CPU)", file=sys.stderr)
         return 2
-    print("| kernel | B x T, H x K | forward ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) | max error out/dq/dk/dv | model's cuDNN ms fwd / fwd+bwd |")
+    print("| kernel | B x T, H x K | forward ms (TFLOP/s) | fwd+bwd ms (TFLOP/s) | max error out/dq/dk/dv | model's ms fwd / fwd+bwd |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name in shapes:
         shape = SHAPES[name]
@@ -146,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 (any kernel's failure to build or run this shape: say so, go on)
                 print(f"| {kernel} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} | | | |")
                 continue
-            model = "{:.2f} / {:.2f}".format(*predicted_cudnn_ms(*shape)) if kernel == "cudnn" else ""
+            model = "{:.2f} / {:.2f}".format(*ms) if (ms := predicted_ms(kernel, *shape)) else ""
             B, T, H, K = shape
             print(f"| {kernel} | {B} x {T}, {H} x {K} | {f_ms:.2f} ({fwd_flops / f_ms / 1e9:.0f}) | "
                   f"{fb_ms:.2f} ({(fwd_flops + bwd_flops) / fb_ms / 1e9:.0f}) | "
