@@ -65,28 +65,24 @@ def attend_fn(kernel: str):
 
 
 def flops(B: int, T: int, H: int, K: int) -> tuple[float, float]:
-    """(forward, backward) FLOPs of one causal call, as jaxgpt/gpu/cost.py's attention_flops."""
+    """(forward, backward) FLOPs of one causal call, as jaxgpt/gpu/cost.py counts cuDNN's."""
+    from jaxgpt.gpu.cost import CUDNN_BACKWARD
     forward = 4.0 * B * H * T * T * K / 2
-    return forward, 2.5 * forward
-
-
-# the step-time model's backward per kernel, in forward FLOPs and kernels (jaxgpt/gpu/cost.py):
-# cuDNN's one call of 5 matmuls; tokamax's dQ (3) and dK/dV (4)
-BACKWARD = {"cudnn": (2.5,), "cudnn-bnth": (2.5,), "mosaic": (1.5, 2.0)}
+    return forward, CUDNN_BACKWARD * forward
 
 
 def predicted_ms(kernel: str, B: int, T: int, H: int, K: int, target: str = "h100") -> tuple[float, float] | None:
-    """The step-time model's forward and forward + backward ms of `kernel` at this shape (None for
-    a kernel the model does not cost), at cuDNN's measured efficiencies per FLOP for every one."""
-    if kernel not in BACKWARD:
+    """The step-time model's forward and forward + backward ms of `kernel` at this shape, compute
+    only (jaxgpt/gpu/cost.py: cuDNN's backward one kernel, tokamax's two, all at cuDNN's measured
+    efficiencies); None for a kernel the model does not cost."""
+    from jaxgpt.gpu.cost import CUDNN_BACKWARD, TOKAMAX_BACKWARD, attention_seconds
+    from jaxgpt.gpu.perf import perf
+    backward = {"cudnn": (CUDNN_BACKWARD,), "cudnn-bnth": (CUDNN_BACKWARD,), "mosaic": tuple(TOKAMAX_BACKWARD.values())}
+    if kernel not in backward:
         return None
-    from jaxgpt.gpu.perf import attention_efficiency, perf
-    p = perf(target)
-    fwd = flops(B, T, H, K)[0]
-    f = fwd / (p.peak_flops * attention_efficiency(p.attention_forward_efficiency, K)) + p.launch_seconds
-    b = sum(x * fwd / (p.peak_flops * attention_efficiency(p.attention_backward_efficiency, K)) + p.launch_seconds
-            for x in BACKWARD[kernel])
-    return 1e3 * f, 1e3 * (f + b)
+    p, fwd = perf(target), flops(B, T, H, K)[0]
+    f = attention_seconds(fwd, False, K, 0.0, p)
+    return 1e3 * f, 1e3 * (f + sum(attention_seconds(x * fwd, True, K, 0.0, p) for x in backward[kernel]))
 
 
 def inputs(shape: tuple[int, ...], bnth: bool, dtype=jnp.bfloat16):

@@ -209,6 +209,20 @@ def memory_seconds(nbytes: float, p: Perf) -> float:
     return nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency) + p.launch_seconds
 
 
+# An attention backward's FLOPs in forward FLOPs, per kernel: cuDNN's one call (dQ, dK, dV and the
+# recomputed scores: 5 matmuls to the forward's 2); tokamax's two, dQ (3 matmuls) and dK/dV (4)
+CUDNN_BACKWARD = 2.5
+TOKAMAX_BACKWARD = {"dq": 1.5, "dkv": 2.0}
+
+
+def attention_seconds(flops: float, backward: bool, head_dim: int, nbytes: float, p: Perf) -> float:
+    """One fused-attention kernel on `p`, launch included: its FLOPs at the attention efficiency
+    of its direction and head dim, or its bytes, whichever takes longer."""
+    points = p.attention_backward_efficiency if backward else p.attention_forward_efficiency
+    return max(flops / (p.peak_flops * attention_efficiency(points, head_dim)),
+               nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency)) + p.launch_seconds
+
+
 def attention_flops(line: str, operand_types: list[str]) -> float:
     """FLOPs of one cuDNN fused-attention call: 4 B H Tq Tk D forward, half for a causal mask,
     2.5x backward."""
@@ -218,7 +232,7 @@ def attention_flops(line: str, operand_types: list[str]) -> float:
     flops = 4.0 * b * h * tq * tk * d
     if re.search(r'"mask_type":\s*"CAUSAL', line):
         flops /= 2
-    return flops * (2.5 if "Backward" in line else 1.0)
+    return flops * (CUDNN_BACKWARD if "Backward" in line else 1.0)
 
 
 def tokamax_attention_flops(line: str, operand_types: list[str], result: str) -> tuple[float, bool, int] | None:
@@ -234,7 +248,7 @@ def tokamax_attention_flops(line: str, operand_types: list[str], result: str) ->
     flops = 4.0 * math.prod(q[:-3]) * h * t * k[-3] * d / 2  # causal: half the blocks
     if kind == "forward":
         return flops, False, d
-    return flops * (2.0 if result.startswith("(") else 1.5), True, d  # dK and dV: 4 matmuls; dQ: 3
+    return flops * TOKAMAX_BACKWARD["dkv" if result.startswith("(") else "dq"], True, d  # dK, dV: a tuple
 
 
 def _fused_bytes(comp: list[Instr]) -> float:
@@ -315,10 +329,7 @@ def _attention_call(i: Instr, operand_types: list[str], times: int, p: Perf) -> 
         return None
     flops, backward, head_dim = attention
     nbytes = sum(map(hlo.shape_bytes, operand_types)) + hlo.shape_bytes(i.shape)
-    points = p.attention_backward_efficiency if backward else p.attention_forward_efficiency
-    seconds = max(flops / (p.peak_flops * attention_efficiency(points, head_dim)),
-                  nbytes / (p.hbm_bytes_per_s * p.hbm_efficiency))
-    return Kernel(i.name, ATTENTION, times, flops, nbytes, seconds + p.launch_seconds)
+    return Kernel(i.name, ATTENTION, times, flops, nbytes, attention_seconds(flops, backward, head_dim, nbytes, p))
 
 
 class _Walker:
