@@ -85,6 +85,8 @@ def test_auto_falls_back_to_xla_with_a_reason_and_cudnn_is_refused_on_cpu():
         select_kernel("cudnn", jnp.bfloat16, 64)
     with pytest.raises(UserError, match="model.attention=mosaic cannot run here: it needs an NVIDIA GPU"):
         select_kernel("mosaic", jnp.bfloat16, 64)
+    proc = run_cli("--mesh", "dp=8", "model.attention=cudnn", "train.steps=1")
+    assert proc.returncode == 2 and "cannot run here" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("overrides, mesh, words", [
@@ -100,8 +102,6 @@ def test_mosaic_attention_outside_its_layouts_is_one_line_before_compiling(overr
     with pytest.raises(UserError, match=words) as e:
         validate(cfg, 8)
     assert "model.attention=auto or cudnn" in str(e.value) and "\n" not in str(e.value)
-    proc = run_cli("--mesh", "dp=8", "model.attention=cudnn", "train.steps=1")
-    assert proc.returncode == 2 and "cannot run here" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _dequantized(x: jax.Array, fmt) -> jax.Array:
