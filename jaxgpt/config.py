@@ -143,9 +143,11 @@ class ModelConfig:
                          words=_fp8_words)
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
                         "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
-    remat: str = _f("none", "recompute activations in the backward pass: none, full, or save only matmul "
-                    "outputs (dots, dots_no_batch); auto = the least recompute whose compiled step fits the "
-                    "device (on a CPU: the host memory available, shared by the local devices)", ("none", "full", "dots", "dots_no_batch", "auto"))
+    remat: str = _f("none", "recompute activations in the backward pass: none, full, save only matmul "
+                    "outputs (dots, dots_no_batch), or only the fused attention kernel's (attention: recompute "
+                    "the block but never its cuDNN/tokamax attention forward); auto = the least recompute whose "
+                    "compiled step fits the device (on a CPU: the host memory available, shared by the local "
+                    "devices)", ("none", "full", "dots", "dots_no_batch", "attention", "auto"))
     scan_layers: bool = _f(True, "run the blocks as one scanned loop (compile time independent of depth); false "
                            "unrolls it: longer compiles, but the backward pass reads each block's saved "
                            "activations in place instead of through per-layer stacked copies (faster on GPU, "

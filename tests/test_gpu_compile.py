@@ -43,6 +43,7 @@ TINY_LAYOUTS = {
     "fsdp8_remat_full_fp8": ("fsdp=8", ["model.remat=full", FP8]),
     "fsdp8_accum2_remat_full_fp8": ("fsdp=8", ["train.grad_accum=2", "model.remat=full", FP8]),
     "fsdp8_accum2_remat_full": ("fsdp=8", ["train.grad_accum=2", "model.remat=full"]),  # its bf16 twin
+    "dp2_fsdp4_accum2_remat_attention": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=attention"]),
     "dp2_fsdp4_accum2_remat_dots_fp8": ("dp=2,fsdp=4", ["train.grad_accum=2", "model.remat=dots", FP8]),
     "dp4_tp2_remat_dots_no_batch_fp8": ("dp=4,tp=2", ["model.remat=dots_no_batch", FP8]),
     "dp2_fsdp2_tp2_accum2_fp8_head": ("dp=2,fsdp=2,tp=2", ["train.grad_accum=2", FP8, "model.fp8_head=true"]),
@@ -111,6 +112,17 @@ def test_every_layout_compiles_with_cudnn_attention_forward_and_backward(tiny, g
     for name, text in [*tiny.items(), *((m, t) for m, (t, _) in gpt2.items())]:
         counts = fused_attention_counts(text)
         assert counts["forward"] >= 1 and counts["backward"] >= 1, (name, counts)
+
+
+@needs_plugin
+def test_only_remat_full_runs_the_attention_forward_again(tiny):
+    """jaxgpt/model/remat.py: every policy but `full` keeps the cuDNN forward's output and softmax
+    statistics, so each layer body holds one forward call per backward call (remat=full: two, the
+    second its recompute). Before the policies named the kernel, dots and dots_no_batch ran it twice too."""
+    for name, (_, overrides) in TINY_LAYOUTS.items():
+        counts = fused_attention_counts(tiny[name])
+        forwards = 2 if "model.remat=full" in overrides else 1
+        assert counts == {"forward": forwards, "backward": 1}, (name, counts)
 
 
 @needs_plugin
@@ -558,7 +570,7 @@ def test_context_parallel_document_masking_is_a_cudnn_kernel_on_each_devices_que
     assert not square, square
 
 
-MOSAIC = ["model.attention=mosaic", "train.grad_accum=2"]
+MOSAIC = ["model.attention=mosaic", "train.grad_accum=2", "model.remat=attention"]  # remat: one forward kept
 
 
 @needs_plugin
@@ -566,7 +578,8 @@ MOSAIC = ["model.attention=mosaic", "train.grad_accum=2"]
 def test_mosaic_attention_is_tokamaxs_flash_kernels_costed_as_attention(compiled):
     """model.attention=mosaic (jaxgpt/model/flash.py) on the modern block (grouped K/V, fp8) under
     fsdp x tp: forward and backward are tokamax's Mosaic GPU kernels (for the H100 its sm90 ones:
-    the forward, then dQ and dK/dV), no cuDNN call remains, K and V reach the kernels at their own
+    the forward, then dQ and dK/dV), no cuDNN call remains, remat=attention keeps the forward's
+    outputs (one forward kernel, not a second recomputed one), K and V reach the kernels at their own
     head count (1 per device, q 2), and the step-time model costs every one as attention with its
     FLOPs (none falls to 'other', bytes only)."""
     c = compiled["mosaic"]

@@ -298,8 +298,10 @@ def test_remat_lowers_temp_memory_without_changing_the_loss():
     none_temp, none_loss = _temp_bytes_and_loss("none")
     full_temp, full_loss = _temp_bytes_and_loss("full")
     dots_temp, dots_loss = _temp_bytes_and_loss("dots")
-    assert full_temp < none_temp and dots_temp <= none_temp
-    assert full_loss == pytest.approx(none_loss, abs=1e-5) and dots_loss == pytest.approx(none_loss, abs=1e-5)
+    attention_temp, attention_loss = _temp_bytes_and_loss("attention")  # the XLA attention here: recomputed as full
+    assert full_temp < none_temp and dots_temp <= none_temp and attention_temp < none_temp
+    for loss in (full_loss, dots_loss, attention_loss):
+        assert loss == pytest.approx(none_loss, abs=1e-5)
 
 
 def test_gelu_backward_recomputes_the_autodiff_gradient():

@@ -1,7 +1,7 @@
 """`python -m jaxgpt.plan --search --target h100|h200 --gpus N`: every layout ranked, without GPUs.
 
 A layout here is a mesh (pp x dp x fsdp x ep x tp over the N GPUs), a recompute policy
-(model.remat: none, dots, full) and a micro-batch count (train.grad_accum); everything else comes
+(model.remat: none, dots, attention, full) and a micro-batch count (train.grad_accum); everything else comes
 from the config and its overrides. The search has three stages:
 
 1. Enumerate: every product of N over the five axes that `config.validate` accepts for the model
@@ -47,12 +47,12 @@ from jaxgpt.config import Config, MeshConfig, validate
 from jaxgpt.errors import UserError
 from jaxgpt.gpu.perf import Perf
 
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots", "attention", "full")
 GIB = 2**30
 STATE_BYTES_PER_PARAM = 16  # fp32 parameters, gradients and two AdamW moments
 # The rough step time of stage 2 (only orders candidates; the compiled prediction ranks them)
 TYPICAL_EFFICIENCY = 0.5     # of the bf16 peak, for a whole step's FLOPs
-RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # FLOPs relative to no recompute
+RECOMPUTE = {"none": 1.0, "dots": 1.1, "full": 4 / 3}  # FLOPs relative to no recompute (attention: `recompute`)
 KERNELS_PER_LAYER = 40       # launches per layer per micro-batch, forward and backward
 
 
@@ -145,10 +145,22 @@ def activation_bytes(cfg: Config, c: Candidate) -> float:
     D, F, kv, tp = m.n_embd, m.mlp_width, 2 * m.kv_heads * m.head_dim, s["tp"]
     up = 2 * F if m.mlp == "swiglu" else F
     none = 3 * (5 * D + (2 * D + kv + 2 * up + F) / tp)  # bf16 and fp32 pieces: ~3 bytes per value
-    per_layer = {"full": 2 * D, "dots": 2 * (3 * D + (2 * D + kv + up) / tp), "none": none}[c.remat]
+    per_layer = {"full": 2 * D, "attention": 2 * D + 2 * D / tp, "dots": 2 * (3 * D + (2 * D + kv + up) / tp),
+                 "none": none}[c.remat]
     rows = cfg.train.batch_size // c.grad_accum // (s["dp"] * s["fsdp"] * s["ep"])
     layers = m.n_layer // s["pp"]
-    return rows * m.seq_len * (layers * per_layer + (none if c.remat == "full" else 0))
+    return rows * m.seq_len * (layers * per_layer + (none if c.remat in ("full", "attention") else 0))
+
+
+def recompute(cfg: Config, remat: str) -> float:
+    """A step's FLOPs under `remat` relative to none. `attention` recomputes each block's forward but
+    its attention (jaxgpt/model/remat.py): 6N + 12LTD per token (jaxgpt.metrics.flops_per_token)
+    plus the forward's weight matmuls, 2N, where `full` adds the whole forward, 2N + 4LTD."""
+    if remat != "attention":
+        return RECOMPUTE[remat]
+    from jaxgpt.metrics import flops_per_token
+    from jaxgpt.model import param_count
+    return 1 + 2 * param_count(cfg.model, include_position=False, active=True) / flops_per_token(cfg.model)
 
 
 def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str, float]:
@@ -166,7 +178,7 @@ def analytic(cfg: Config, c: Candidate, p: Perf, gpus_per_node: int) -> dict[str
     layers = m.n_layer // s["pp"]
     floor = state + rows * m.seq_len * m.n_embd * 2 * layers
     tokens = t.batch_size * m.seq_len
-    compute = flops_per_token(m) * tokens * RECOMPUTE[c.remat] / (n * p.peak_flops * TYPICAL_EFFICIENCY)
+    compute = flops_per_token(m) * tokens * recompute(cfg, c.remat) / (n * p.peak_flops * TYPICAL_EFFICIENCY)
     M = pipeline_microbatches(c.config(cfg), s)
     compute *= 1 + (s["pp"] - 1) / (cfg.pipeline.repeats * M)
     overhead = c.grad_accum * M * layers * KERNELS_PER_LAYER * 5e-6
@@ -215,7 +227,7 @@ def compiled_row(cfg: Config, c: Candidate, target: str, n: int, memory: int, gp
 
 def pick(fitting: list[Candidate], estimates: dict[str, dict], memory: int, k: int) -> list[Candidate]:
     """The k candidates to compile: per remat policy, those estimated to fit first, then by the rough
-    step time; the policies taken in turn (none, dots, full, none, ...), because the rough time
+    step time; the policies taken in turn (none, dots, attention, full, none, ...), because the rough time
     knows least about what recompute and XLA's own rematerialisation cost."""
     def order(c: Candidate):
         e = estimates[c.key()]
