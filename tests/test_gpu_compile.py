@@ -297,6 +297,19 @@ def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
 
 
 @needs_plugin
+def test_a_recomputed_block_casts_with_the_forwards_fp8_scales(tiny):
+    """Every remat policy keeps fp8's per-tensor scales (jaxgpt/model/remat.py): the forward that a
+    recomputing block runs again in the backward pass casts its activations with them, and takes no
+    amax of its own (no reduce_max under the rematerialised computation's name). Without them each
+    recomputed activation was read once more for its amax, and under fsdp all-reduced again."""
+    remats = [name for name in FP8_LAYOUTS if any(o.startswith("model.remat=") for o in TINY_LAYOUTS[name][1])]
+    assert len(remats) >= 3, remats
+    for name in remats:
+        again = [line for line in tiny[name].splitlines() if "reduce_max" in line and "rematted_computation" in line]
+        assert not again, (name, again[0][:300])
+
+
+@needs_plugin
 def test_tp_collectives_sit_inside_the_layer_loop(tiny):
     for name in ("dp4_tp2_remat_dots_no_batch_fp8", "dp2_fsdp2_tp2_accum2_fp8_head"):
         tp_in_loops = [op for op in collective_ops(tiny[name])[0] if op.kind == "all-reduce" and op.times >= 2]

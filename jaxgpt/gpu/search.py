@@ -288,16 +288,16 @@ def format_search(result: dict[str, Any], name: str, target: str, n: int, config
              f"{len(result['ranked'])} fit {result['memory_bytes'] / GIB:.1f} GiB"
              + (" | interrupted: the ranking of what was compiled" if result["interrupted"] else ""),
              "predicted by jaxgpt/gpu/cost.py from XLA:GPU's compiled program (a model, not a measurement)", "",
-             f"{'#':>2}  {'mesh':<28}{'remat':<7}{'accum':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}"
+             f"{'#':>2}  {'mesh':<28}{'remat':<10}{'accum':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}"
              f"{'GiB/GPU':>9}{'coll ms':>9}{'exposed ms':>11}"]
     for i, (c, r) in enumerate(result["ranked"], 1):
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
-        lines.append(f"{i:>2}  {c.mesh:<28}{c.remat:<7}{c.grad_accum:>6}{1e3 * r['step_seconds']:>10,.1f}"
+        lines.append(f"{i:>2}  {c.mesh:<28}{c.remat:<10}{c.grad_accum:>6}{1e3 * r['step_seconds']:>10,.1f}"
                      f"{r['tokens_per_sec'] or 0:>12,.0f}{mfu:>7}{r['peak_bytes'] / GIB:>9.1f}"
                      f"{1e3 * r['collective_seconds']:>9,.1f}{1e3 * r['collective_exposed_seconds']:>11,.1f}")
     for c, r in result["dropped"]:
         why = f"error: {r['error']}" if "error" in r else f"does not fit: {r['peak_bytes'] / GIB:.1f} GiB"
-        lines.append(f" -  {c.mesh:<28}{c.remat:<7}{c.grad_accum:>6}   {why}")
+        lines.append(f" -  {c.mesh:<28}{c.remat:<10}{c.grad_accum:>6}   {why}")
     if result["ranked"]:
         lines += ["", "fastest: " + train_command(config, overrides, result["ranked"][0][0])]
     else:

@@ -73,10 +73,17 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxgpt.parallel.mesh import shard, splits
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+# The name of every per-tensor scale `quantize` makes. Every remat policy keeps these scalars
+# (jaxgpt/model/remat.py): a block recomputed in the backward pass then casts its activations with the
+# forward's scales instead of reading each one again for its amax.
+SCALE = "fp8_scale"
 
 
 def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
@@ -100,7 +107,7 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False) -> tuple[jax.Array
     amax = _global(jnp.max(jnp.abs(x)).astype(jnp.float32))
     if pin:
         x, amax = jax.lax.optimization_barrier((x, amax))
-    scale = power_of_two_scale(amax, fp8)
+    scale = checkpoint_name(power_of_two_scale(amax, fp8), SCALE)  # kept by every remat policy (remat.py)
     return _scaled_cast(x, scale, fp8), scale
 
 

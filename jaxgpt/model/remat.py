@@ -45,6 +45,7 @@ import jax.extend.core as jex_core
 
 from jaxgpt.config import Config
 from jaxgpt.errors import UserError
+from jaxgpt.model.fp8 import SCALE
 
 ORDER = ("none", "dots", "dots_no_batch", "attention", "full")
 
@@ -64,18 +65,22 @@ def attention_kernel(prim: Any, *_, **params) -> bool:
     return prim.name == "remat_opt" and _calls_kernel(params["fwd_jaxpr"])
 
 
-def _or_attention(policy: Callable) -> Callable:
+_FP8_SCALES = jax.checkpoint_policies.save_only_these_names(SCALE)
+
+
+def _keeping(*policies: Callable) -> Callable:
+    """A policy that keeps what any of `policies` keeps, and always fp8's per-tensor scales."""
     def keep(prim: Any, *avals, **params) -> bool:
-        return policy(prim, *avals, **params) or attention_kernel(prim, *avals, **params)
+        return any(p(prim, *avals, **params) for p in (_FP8_SCALES, *policies))
     return keep
 
 
 # model.remat -> what the backward pass may keep from the forward pass of a block
 REMAT_POLICIES = {
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "attention": attention_kernel,
-    "dots": _or_attention(jax.checkpoint_policies.checkpoint_dots),
-    "dots_no_batch": _or_attention(jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "full": _keeping(),
+    "attention": _keeping(attention_kernel),
+    "dots": _keeping(jax.checkpoint_policies.checkpoint_dots, attention_kernel),
+    "dots_no_batch": _keeping(jax.checkpoint_policies.dots_with_no_batch_dims_saveable, attention_kernel),
 }
 GIB = 2**30
 
