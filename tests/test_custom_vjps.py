@@ -93,3 +93,24 @@ def test_activation_value_and_gradients_match_autodiff(name):
     for got, want in zip(ours16, fp32):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2.0 ** -8, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["gelu", "relu2"])
+def test_activation_amax_is_the_activations_own_amax(kind):
+    """model/activations.py `activation_amax` (the fp8 cast's amax of the MLP activation, taken from
+    h alone): equal to max |activate(h)| in fp32 where h reaches past the negative lobe (every real
+    MLP), never below it where h does not (all-negative or tiny h), and equal to the amax that fp8's
+    `quantize` takes of the activation itself, so the e4m3 copy is bit for bit the same."""
+    from jaxgpt.model.activations import activate, activation_amax
+    from jaxgpt.model.fp8 import E4M3, quantize
+    key = jax.random.key(0)
+    for h in (jax.random.normal(key, (64, 256)) * 3, jax.random.normal(key, (8, 4, 96)) + 0.5):
+        own = jnp.max(jnp.abs(activate(kind, h)))
+        assert float(activation_amax(kind, h)) == float(own), kind
+        q, s = quantize(activate(kind, h), E4M3, amax=activation_amax(kind, h))
+        q_own, s_own = quantize(activate(kind, h), E4M3)
+        assert float(s) == float(s_own) and bool(jnp.all(q.view(jnp.uint8) == q_own.view(jnp.uint8)))
+    for h in (-jnp.abs(jax.random.normal(key, (64, 256))) * 4, jax.random.normal(key, (64, 256)) * 0.01,
+              jnp.full((4, 4), -0.7525)):
+        assert float(activation_amax(kind, h)) >= float(jnp.max(jnp.abs(activate(kind, h)))), kind
+    assert activation_amax("swiglu", h) is None

@@ -254,6 +254,20 @@ def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
 
 
 @needs_plugin
+def test_fp8_gelu_is_computed_where_it_is_cast(compiled):
+    """gpt2-124m's micro-batch on one H100 with model.fp8=true: the MLP's activation gelu(h) exists
+    only as its two e4m3 copies (the GEMM's and the transposed one for dw), written by the kernel
+    that computes it from h; per layer the [rows, F] arrays written in bf16 are h (the GEMM output
+    plus its bias) and the backward's dh. Its amax comes from h's largest value
+    (model/activations.py activation_amax); reducing gelu(h) itself made XLA write gelu(h) in bf16
+    for the reduction and the cast to read (3 bf16 writes a layer)."""
+    text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
+    rows, F, L = 128 * 1024, 3072, 2
+    writes = [t for k in _arrays_of(text, rows * F) for t in k[3][k[1]:]]
+    assert writes.count("bf16") == 2 * L and writes.count("f8e4m3fn") == 2 * L, writes
+
+
+@needs_plugin
 def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
     """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, GPT-2's block and
     the modern one (grouped-query q and kv weights, SwiGLU's gate), every kernel that casts a block

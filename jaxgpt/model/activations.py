@@ -94,3 +94,27 @@ def _gelu_tanh_bwd(h: jax.Array, g: jax.Array) -> tuple[jax.Array]:
 
 
 gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
+
+
+# The tanh-GELU's most negative value is -0.170041, at h = -0.7525; rounded up, it bounds |gelu(h)| for h < 0.
+GELU_NEGATIVE_BOUND = 0.1701
+
+
+def activation_amax(kind: str, h: jax.Array) -> jax.Array | None:
+    """max |activate(kind, h)| from h's largest element alone (fp32), for the fp8 cast of the
+    activation (jaxgpt/model/fp8.py `quantize`'s amax); None for swiglu, a product of two tensors.
+
+    gelu and relu2 increase with h >= 0, and below 0 gelu stays within GELU_NEGATIVE_BOUND and
+    relu2 is 0: so max(act(max(h, 0)), that bound) is the amax itself whenever the largest value
+    is positive and above the bound (every real MLP), and an upper bound otherwise. A reduction over
+    h rather than over act(h) lets XLA compute the activation inside the fusion that casts it to
+    e4m3: reducing act(h) made it write act(h) in bf16 for the reduction and the cast to read (XLA
+    does not duplicate tanh into two kernels), one [rows, F] tensor written and read more per
+    layer and micro-batch (gpt2-1.3b fp8 on an H100, predicted: docs/benchmarks.md, stop 51)."""
+    if kind == "swiglu":
+        return None
+    top = jnp.maximum(jnp.max(h).astype(jnp.float32), 0.0)
+    if kind == "relu2":
+        return jnp.square(top)
+    return jnp.maximum(jax.nn.gelu(top, approximate=True), GELU_NEGATIVE_BOUND)
+

@@ -15,6 +15,9 @@ write fp32, for the rescale and cast in the next fusion: in gpt2-124m's compiled
 2 x 6,912 extra bytes per token and layer; 1,166.1 -> 1,059.3 ms predicted.) The amax is computed
 from the tensor itself on every step: one reduction per operand, but no state (nothing to
 checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
+The one exception is the MLP activation (mlp_out's input): its amax comes from the pre-activation
+h (model/activations.py `activation_amax`, `linear`'s x_amax), so the kernel that casts it computes
+it from h and it is never written in bf16.
 Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
 train step's `shard_map` (jaxgpt/step.py) the manual dp axis is split by hand, so an explicit
 `pmax` over it makes it global there too: one scale per tensor on every layout. (pp, also manual
@@ -96,15 +99,18 @@ def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
     return jnp.where(amax > 0, jnp.where(jnp.isfinite(amax), pow2, amax), 1.0)
 
 
-def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False,
+             amax: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x -> (q in `fp8`, fp32 power-of-two scale) with x ~= q * scale and max|q| in (fmax/2, fmax].
+
+    amax: max |x| (fp32) when the caller knows it without reading x (`activation_amax`).
 
     pin: x and its amax pass an optimization barrier together, so that x is written once in its own
     dtype by the fusion that produces it (with the amax) and read once by the cast. Without it
     XLA:GPU, allowed excess precision, drops a gradient's rounding to bf16 and writes its producer's
     fp32 values for the cast to read: twice the bytes both ways (the GELU backward's [rows, 4D]
     gradient of every MLP, 1.6 GB written and read per layer and micro-batch of gpt2-124m)."""
-    amax = _global(jnp.max(jnp.abs(x)).astype(jnp.float32))
+    amax = _global(jnp.max(jnp.abs(x)).astype(jnp.float32) if amax is None else amax)
     if pin:
         x, amax = jax.lax.optimization_barrier((x, amax))
     scale = checkpoint_name(power_of_two_scale(amax, fp8), SCALE)  # kept by every remat policy (remat.py)
@@ -165,12 +171,13 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_einsum(spec: str, w_axes: tuple | None, x: jax.Array, w: jax.Array) -> jax.Array:
-    return _forward(spec, w_axes, x, w)[0]
+def _fp8_einsum(spec: str, w_axes: tuple | None, x: jax.Array, w: jax.Array,
+                x_amax: jax.Array | None = None) -> jax.Array:
+    return _forward(spec, w_axes, x, w, x_amax)[0]
 
 
-def _forward(spec, w_axes, x, w):
-    x_q, sx = quantize(x, E4M3)
+def _forward(spec, w_axes, x, w, x_amax=None):
+    x_q, sx = quantize(x, E4M3, amax=x_amax)
     w_q, sw = quantize(w, E4M3)
     if w_axes is not None:  # the fp8 copy stays sharded like the parameter: fsdp gathers f8, not bf16
         w_q = shard(w_q, *w_axes)
@@ -186,7 +193,11 @@ def _backward(spec, w_axes, residuals, dy):
     return dx, dw
 
 
-_fp8_einsum.defvjp(_forward, _backward)
+def _backward_amax(spec, w_axes, residuals, dy):
+    return (*_backward(spec, w_axes, residuals, dy), None)  # x_amax: no gradient, as x's own amax has none
+
+
+_fp8_einsum.defvjp(_forward, _backward_amax)
 
 
 class Prequantized(NamedTuple):
@@ -239,12 +250,12 @@ def _transposed_spec(spec: str) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, x: jax.Array, w: jax.Array, q: jax.Array,
-                         q_t: jax.Array, scale: jax.Array) -> jax.Array:
-    return _pre_forward(spec, w_dtype, x, w, q, q_t, scale)[0]
+                         q_t: jax.Array, scale: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
+    return _pre_forward(spec, w_dtype, x, w, q, q_t, scale, x_amax)[0]
 
 
-def _pre_forward(spec, w_dtype, x, w, q, q_t, scale):
-    x_q, sx = quantize(x, E4M3)
+def _pre_forward(spec, w_dtype, x, w, q, q_t, scale, x_amax=None):
+    x_q, sx = quantize(x, E4M3, amax=x_amax)
     y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
         scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
     return y, (x_q, sx, q, scale)
@@ -252,29 +263,32 @@ def _pre_forward(spec, w_dtype, x, w, q, q_t, scale):
 
 def _pre_backward(spec, w_dtype, residuals, dy):
     dx, dw = _backward(spec, None, residuals, dy)
-    return dx, dw.astype(w_dtype), None, None, None  # q, q_t, scale: made outside the gradient
+    return dx, dw.astype(w_dtype), None, None, None, None  # q, q_t, scale, x_amax: made outside the gradient
 
 
 _prequantized_einsum.defvjp(_pre_forward, _pre_backward)
 
 
-def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None) -> jax.Array:
+def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None,
+           x_amax: jax.Array | None = None) -> jax.Array:
     """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
     ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
     gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
     the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
     tells which layer each GEMM belongs to. w_axes: the weight's logical axes (its Param's), see
-    `fp8_einsum`."""
+    `fp8_einsum`. x_amax: max |x| in fp32 where the caller knows it without reading x (the MLP
+    activation's, model/activations.py `activation_amax`); fp8 only."""
     with jax.named_scope(name):
         if isinstance(w, Prequantized):
             if fp8:
-                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), x, *w)
+                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), x, *w, x_amax)
             w = w.w
         w = w.astype(x.dtype)
-        return fp8_einsum(spec, x, w, w_axes) if fp8 else jnp.einsum(spec, x, w)
+        return fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
 
 
-def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None) -> jax.Array:
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,
+               x_amax: jax.Array | None = None) -> jax.Array:
     """`jnp.einsum(spec, x, w)` as fp8 GEMMs: e4m3 operands forward, an e5m2 gradient backward.
     x and w share the compute dtype (the model casts its weights), which is also the output's.
     w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
@@ -282,4 +296,4 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = Non
     _operands(spec)
     if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
         w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
-    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype))
+    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype), x_amax)

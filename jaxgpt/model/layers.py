@@ -17,7 +17,7 @@ from flax import nnx
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
-from jaxgpt.model.activations import activate
+from jaxgpt.model.activations import activate, activation_amax
 from jaxgpt.model.fp8 import linear, prequantize
 from jaxgpt.model.norm import normalize
 from jaxgpt.parallel.mesh import shard
@@ -43,11 +43,12 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
     return nnx.Param(value, logical_axes=axes)
 
 
-def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool) -> jax.Array:
+def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool,
+          x_amax: jax.Array | None = None) -> jax.Array:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
     under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element).
     The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`)."""
-    return linear(name, spec, x, kernel.get_value(), fp8, kernel.logical_axes)
+    return linear(name, spec, x, kernel.get_value(), fp8, kernel.logical_axes, x_amax)
 
 
 # A dense model's block linears: where each weight sits in its params['blocks'] dict, its kind
@@ -151,6 +152,9 @@ class MLP(nnx.Module):
         if self.kind == "swiglu":
             gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, "mlp_gate" in self.fp8),
                              self.c_gate_bias)
+        # fp8: the activation's amax bounded from h (activation_amax), so its e4m3 cast computes the
+        # activation from h itself and no kernel writes the activation in bf16
+        amax = activation_amax(self.kind, h_BTF) if "mlp_out" in self.fp8 else None
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF), "batch", "seq", "act_mlp")
-        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8),
+        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8, amax),
                      self.c_proj_bias)
