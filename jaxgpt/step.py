@@ -64,8 +64,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import Config, ModelConfig, fp8_weights_once_per_step, pipeline_microbatches
-from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, head_table, prequantize_weights, with_prequantized
+from jaxgpt.config import Config, ModelConfig, weights_once_per_step, pipeline_microbatches
+from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, head_table, with_prequantized
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
@@ -301,12 +301,12 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     else:
         objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
-    # (`prequantized`: the fp8 weights' copies made before the micro-batch loop, not differentiated)
+    # (`prequantized`: the block weights' copies made before the micro-batch loop, not differentiated)
     grad_fn = jax.grad(lambda trainable, bias, prequantized, *args: objective(
         with_balance(with_prequantized(trainable, prequantized), bias), *args), has_aux=True)
-    # fp8 weights quantized once per step, not per micro-batch (a dense model's stacked blocks; a
-    # pipeline gathers its stage weights itself, and the experts' GEMMs quantize theirs)
-    prequantize = fp8_weights_once_per_step(cfg, dict(mesh.shape)) and bool(m.fp8_linears())
+    # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch (a dense model's
+    # stacked blocks; a pipeline gathers its stage weights itself, and the experts' GEMMs cast theirs)
+    once = weights_once_per_step(cfg, dict(mesh.shape)) and (bool(m.fp8_linears()) or dtype != jnp.float32)
 
     def metrics_and_grads(params, bias, batch_BT1, prequantized=None):
         grads, metrics = grad_fn(params, bias, prequantized, setup.graphdef, batch_BT1)
@@ -319,11 +319,11 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
             return metrics_and_grads(params, bias, batch_BT1)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
-        prequantized = prequantize_weights(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(),
-                                           dtype, unrolled=not m.scan_layers) if prequantize else None
+        copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(), dtype,
+                                      unrolled=not m.scan_layers) if once else None
 
         def accumulate(carry, micro_BT1):
-            return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1, prequantized)), None
+            return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1, copies)), None
 
         names = ["loss", *(MOE_METRICS if m.moe_experts else ()), *(DOCUMENT_METRICS if m.document_mask else ())]
         load = {"moe_load": jnp.zeros((m.n_layer // m.moe_every, m.moe_experts))} if m.moe_experts else {}

@@ -377,3 +377,40 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
     maxes = [eqn.invars[0].aval.shape for eqn in _equations(jax.make_jaxpr(loss)(params, pre).jaxpr)
              if eqn.primitive.name == "reduce_max"]
     assert maxes and not [s for s in maxes if s in weight_shapes], maxes
+
+
+@pytest.mark.parametrize("overrides", [["model.scan_layers=false"], ["model.scan_layers=false", "model.fp8=qkv,mlp_out"],
+                                       ["model.norm=rmsnorm", "model.mlp=swiglu", "model.mlp_hidden=64",
+                                        "model.n_kv_head=2", "model.bias=false"]], ids=["gpt2", "gpt2-fp8-mixed", "llama"])
+def test_precast_weights_give_the_in_loop_loss_and_gradients(overrides):
+    """With micro-batches the train step casts the block weights that are not fp8 to the compute
+    dtype once per step, before its loop (model/layers.py precast_weights), instead of in every
+    micro-batch. A micro-batch's loss and every fp32 gradient are bit for bit those of casting in
+    the layer, in bf16, unrolled (per-layer copies, also beside fp8 kinds' prequantized ones) and
+    scanned (stacked copies); and no block weight is cast inside the loss any more."""
+    from flax import nnx
+
+    from jaxgpt.model import GPT, copies_once_per_step, with_prequantized
+    from jaxgpt.step import objective_fn, param_logical_axes
+    cfg = tiny_config(*overrides).model
+    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
+    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
+    batch_BT1 = jax.random.randint(jax.random.key(1), (3, cfg.seq_len + 1), 0, cfg.vocab_size)  # 96 rows: no weight's shape
+    pre = copies_once_per_step(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16,
+                               unrolled=not cfg.scan_layers)
+    assert sum(len(ws) for ws in pre.values()) == (6 if cfg.mlp == "swiglu" else 4)
+
+    def loss(p, pre):
+        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
+
+    (l_pre, g_pre), (l_in, g_in) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
+    assert float(l_pre) == float(l_in)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
+        assert a.dtype == jnp.float32, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    weights = {params["blocks"][module][name].shape for module, ws in pre.items() for name in ws}
+    weights |= {shape[1:] for shape in weights}  # the stack and one layer
+    casts = [eqn.invars[0].aval.shape for eqn in _equations(jax.make_jaxpr(loss)(params, pre).jaxpr)
+             if eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.float32
+             and eqn.params["new_dtype"] == jnp.bfloat16]
+    assert casts and not [s for s in casts if s in weights], casts  # casts remain: embeddings, norms, biases

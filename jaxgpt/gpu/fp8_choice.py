@@ -19,7 +19,7 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
     fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
             + (M K + K N / A + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
 
-(A = train.grad_accum where the step quantizes the weights once per step, `fp8_weights_once_per_step`,
+(A = train.grad_accum where the step quantizes the weights once per step, `weights_once_per_step`,
 else 1)
 
 and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxgpt.config import Config, fp8_weights_once_per_step, pipeline_microbatches, round_rows
+from jaxgpt.config import Config, weights_once_per_step, pipeline_microbatches, round_rows
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
@@ -165,7 +165,7 @@ def kind_quant_bytes(kind: str, cfg: Config) -> float:
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
     """The estimate for every block linear kind of cfg's model on device p, in BLOCK_LINEARS order."""
     by_kind: dict[str, list[float]] = {}
-    share = 1 / cfg.train.grad_accum if fp8_weights_once_per_step(cfg, sizes) else 1.0
+    share = 1 / cfg.train.grad_accum if weights_once_per_step(cfg, sizes) else 1.0
     for name, (gemms, uses) in linear_shapes(cfg, sizes).items():
         kind = name.split("+")[0]
         row = by_kind.setdefault(kind, [0, 0.0, 0.0])
