@@ -64,7 +64,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import Config, ModelConfig, weights_once_per_step, pipeline_microbatches
+from jaxgpt.config import Config, ModelConfig, pipeline_microbatches, weights_once_per_step
 from jaxgpt.model import GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, head_table, with_prequantized
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
@@ -306,7 +306,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         with_balance(with_prequantized(trainable, prequantized), bias), *args), has_aux=True)
     # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch (a dense model's
     # stacked blocks; a pipeline gathers its stage weights itself, and the experts' GEMMs cast theirs)
-    once = weights_once_per_step(cfg, dict(mesh.shape)) and (bool(m.fp8_linears()) or dtype != jnp.float32)
+    once = weights_once_per_step(cfg, dict(mesh.shape))  # copies_once_per_step: none where there is nothing to copy
 
     def metrics_and_grads(params, bias, batch_BT1, prequantized=None):
         grads, metrics = grad_fn(params, bias, prequantized, setup.graphdef, batch_BT1)

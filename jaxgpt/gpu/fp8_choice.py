@@ -62,7 +62,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxgpt.config import Config, weights_once_per_step, pipeline_microbatches, round_rows
+from jaxgpt.config import Config, pipeline_microbatches, round_rows, weights_once_per_step
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS

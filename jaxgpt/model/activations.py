@@ -117,4 +117,3 @@ def activation_amax(kind: str, h: jax.Array) -> jax.Array | None:
     if kind == "relu2":
         return jnp.square(top)
     return jnp.maximum(jax.nn.gelu(top, approximate=True), GELU_NEGATIVE_BOUND)
-
