@@ -629,9 +629,10 @@ def _validate_eval(cfg: Config, sizes: dict[str, int]) -> None:
 def weights_once_per_step(cfg: Config, sizes: dict[str, int]) -> bool:
     """Whether the train step makes its block weights' copies (fp8: e4m3, the rest: the compute
     dtype) once per step, before its micro-batch loop (jaxgpt/model/layers.py
-    `copies_once_per_step`), rather than in every micro-batch: a dense model's, with micro-batches
-    and no pipeline (a pipeline gathers its stage weights itself; experts cast their own)."""
-    return cfg.train.grad_accum > 1 and sizes.get("pp", 1) == 1 and not cfg.model.moe_experts
+    `copies_once_per_step`), rather than in every micro-batch: a dense model's with no pipeline (a
+    pipeline gathers its stage weights itself; experts cast their own). With one micro-batch too:
+    the work is the same, and an fp8 weight's two layouts come from one kernel."""
+    return sizes.get("pp", 1) == 1 and not cfg.model.moe_experts
 
 
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:

@@ -315,12 +315,12 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
-        if A == 1:
-            return metrics_and_grads(params, bias, batch_BT1)
-        B, T1 = batch_BT1.shape
-        micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
         copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(), dtype,
                                       unrolled=not m.scan_layers) if once else None
+        if A == 1:
+            return metrics_and_grads(params, bias, batch_BT1, copies)
+        B, T1 = batch_BT1.shape
+        micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
 
         def accumulate(carry, micro_BT1):
             return jax.tree.map(jnp.add, carry, metrics_and_grads(params, bias, micro_BT1, copies)), None

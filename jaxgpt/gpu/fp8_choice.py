@@ -40,18 +40,16 @@ quantization kernels run below the bandwidth the model gives them (the 124M fp8 
 measured, 315.3 predicted). 7.5 bytes an element accounts for that measured step, so QUANT_BYTES is
 7.5: auto does not take what the GPU measured as a loss.
 
-BIASED_ATTN_OUT_QUANT_BYTES: GPT-2's attn_out moves 10.6 and 14.2 bytes an element in the compiled
-programs (each fp8 step against the same step with attn_out in bf16), so 14.5 there. In the
-Llama-shaped llama-8b slice (no biases) attn_out in fp8 gains 12.7 ms compiled, 11.3 estimated with
-QUANT_BYTES. Why GPT-2's attn_out moves more, read off the compiled gpt2-124m steps (2026-11-27,
-attn_out added to qkv, mlp_in and mlp_out in fp8; docs/benchmarks.md): its input is cuDNN's
-output, so the amax and the cast-and-transpose are two passes of their own; the residual add with
-the next norm's statistics runs as two fusions per layer instead of one; and the bias gradient's
-column sum becomes a pass of its own beside the e5m2 cast of the same gradient. In the slice the
-first of these costs little and the bf16 GEMM's folded residual add (cuBLASLt's C input) is what
-fp8 gives up; the GEMM saving is larger. The bias is the difference the constant is keyed on. It is
-read off the compiled programs, not measured on a GPU. Collective traffic is left out: fsdp's
-all-gathers of e4m3 weights move half the bytes, which only favours fp8 more than estimated.
+attn_out takes the same constant. With GPT-2's biases it once moved more (10.6 and 14.2 bytes an
+element in the compiled gpt2-124m and gpt2-1.3b steps, each fp8 step against the same step with
+attn_out in bf16, 2026-11-27): its incoming gradient was read once more for its amax beside the bias
+gradient's column sum, and its dx GEMM's rescale ran as a pass of its own because cuDNN's attention
+backward, a custom call, reads that dx. Both went at stop 52 (jaxgpt/model/fp8.py `_column_amax`,
+`scaled_dot(fold=True)`), and the compiled programs now move 5.2 and 4.7 bytes an element for it,
+under the other kinds' QUANT_BYTES (gpt2-1.3b: all four kinds in fp8 3,256.4 ms against 3,296.3
+with attn_out in bf16 on an H100, 3,121.7 against 3,168.3 on an H200; gpt2-124m 943.8 against
+935.9). Read off the compiled programs, not measured on a GPU. Collective traffic is left out:
+fsdp's all-gathers of e4m3 weights move half the bytes, which only favours fp8 more than estimated.
 
 Where the model is not told a GPU (a CPU run, a plan without --target, a GPU other than an H100 or
 H200) auto is bf16 everywhere, and says so.
@@ -68,7 +66,6 @@ from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
 
 QUANT_BYTES = 7.5    # HBM bytes per operand element an fp8 GEMM's quantization moves, in effect (module docstring)
-BIASED_ATTN_OUT_QUANT_BYTES = 14.5  # the same for attn_out in a model with biases (GPT-2's; module docstring)
 QUANT_KERNELS = 10   # its kernels per use: three amax reductions and their scalars, casts, transposed copies
 
 
@@ -157,11 +154,6 @@ def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUA
     return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes, weight_share) if fp8 else 0.0)
 
 
-def kind_quant_bytes(kind: str, cfg: Config) -> float:
-    """QUANT_BYTES, or BIASED_ATTN_OUT_QUANT_BYTES for attn_out where the model has biases."""
-    return BIASED_ATTN_OUT_QUANT_BYTES if kind == "attn_out" and cfg.model.bias else QUANT_BYTES
-
-
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
     """The estimate for every block linear kind of cfg's model on device p, in BLOCK_LINEARS order."""
     by_kind: dict[str, list[float]] = {}
@@ -171,7 +163,7 @@ def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:
         row = by_kind.setdefault(kind, [0, 0.0, 0.0])
         row[0] += uses
         row[1] += uses * use_seconds(gemms, p, False)
-        row[2] += uses * use_seconds(gemms, p, True, kind_quant_bytes(kind, cfg), share)
+        row[2] += uses * use_seconds(gemms, p, True, QUANT_BYTES, share)
     return [Choice(kind, *by_kind[kind]) for kind in BLOCK_LINEARS if kind in by_kind]
 
 

@@ -43,14 +43,17 @@ reads the f8 all-gathers in the compiled H100 step). A pipelined step is left al
 weights are gathered whole in fp32 once per round of the schedule (`pipeline.gather_once`), and
 re-splitting them for an f8 gather per use would add traffic, not save it.
 
-Weights once per step. With micro-batches (train.grad_accum > 1) the train step quantizes a dense
-model's block weights before its micro-batch loop (`prequantize`, via
+Weights once per step. The train step quantizes a dense model's block weights before its
+micro-batch loop, one micro-batch or many (`prequantize`, via
 jaxgpt/model/layers.py `prequantize_weights`): each layer's e4m3 copy in the weight's own layout
 (the dx GEMM's operand) and with the forward's contracted axes last (the forward GEMM's K-major
 operand), written by one kernel per weight, once a step. Inside the loop the GEMMs read them
 (`Prequantized`, `_prequantized_einsum`); the gradient is still the parameter's. Bit for bit what
 quantizing in the loop gives (tests/test_kernels.py), and on gpt2-1.3b's 16 micro-batches on one
-H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. A pipeline
+H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. With
+one micro-batch it is the same work, but one kernel then writes both layouts, where quantizing in
+the loss transposed the e4m3 copy in a kernel of its own (the llama-8b slice at one micro-batch:
+739.9 -> 732.2 ms predicted, stop 52). A pipeline
 (its stage weights are gathered per round, below) and the experts' GEMMs quantize in the loop.
 
 Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
@@ -177,15 +180,22 @@ def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
 
 
 def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax.Array,
-                dtype: jnp.dtype) -> jax.Array:
-    """einsum(spec) of two fp8 arrays with fp32 accumulation, rescaled, in `dtype`."""
+               dtype: jnp.dtype, fold: bool = False) -> jax.Array:
+    """einsum(spec) of two fp8 arrays with fp32 accumulation, rescaled, in `dtype`.
+
+    fold: rescale in `dtype`, which XLA:GPU takes into the cuBLASLt call as its scale operand, rather
+    than in fp32 after it, which the consumer's fusion computes (a custom call cannot: cuDNN's
+    attention backward reads attn_out's dx as dO, and that rescale was a [rows, D] pass of its own
+    per layer and micro-batch). Only for GEMMs no activation follows: a bf16 multiply is also taken
+    into cuBLASLt's epilogue with the GELU after it, a GELU_AUX fp8 call XLA:GPU then fails to
+    emit. The two agree bit for bit: the scales are powers of two, so the rescale is exact and the
+    GEMM's rounding to `dtype` is the only one either way."""
     dims, perm = _dot_plan(spec)
     out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=dtype)
     if perm != tuple(range(len(perm))):
         out = jnp.transpose(out, perm)
-    # Powers of two: the rescale is exact, so the GEMM's rounding to `dtype` is the only one. It is
-    # applied in fp32 after the GEMM, not folded into it: a bf16 multiply is taken into cuBLASLt's
-    # epilogue with the GELU after it, a GELU_AUX fp8 call XLA:GPU then fails to emit.
+    if fold:
+        return out * (sx * sy).astype(dtype)
     return (out.astype(jnp.float32) * (sx * sy)).astype(dtype)
 
 
@@ -208,7 +218,7 @@ def _backward(spec, w_axes, residuals, dy):
     a, b, out = _operands(spec)
     rows = tuple(i for i, c in enumerate(out) if c not in b)  # dy's axes that a bias gradient sums
     dy_q, sdy = quantize(dy, E5M2, pin=True, rows=rows)
-    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype)
+    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=True)
     dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
     return dx, dw
 
