@@ -34,6 +34,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxgpt.parallel.mesh import splits
+
 EPS = 1e-5
 
 
@@ -93,8 +95,12 @@ def _column_sums(a: jax.Array | None, b: jax.Array | None, rows: tuple[int, ...]
     reduction. Why one: the pass that writes dx also sums the residual branch's bias gradient (the
     same incoming gradient's column sum), and with dscale and dbias as two reductions beside it
     XLA:GPU moved one of the three into a pass of its own over the [N, D] gradient (gpt2-1.3b on
-    one H100: 4,137.6 -> 4,111.6 ms a step predicted with one; tests/test_gpu_compile.py)."""
-    if a is None or b is None:
+    one H100: 4,137.6 -> 4,111.6 ms a step predicted with one; tests/test_gpu_compile.py). Not where
+    an automatic mesh axis splits the rows (fsdp, cp; dp and ep are split by hand in the train step's
+    shard_map): XLA's SPMD partitioner combines a variadic reduction's partial sums with an
+    all-gather per use, where two sums each take a reduction it can schedule with the rest (a
+    pipeline's stage loop then gathered every micro-batch: tests/test_pipeline.py)."""
+    if a is None or b is None or splits("batch") * splits("seq") > 1:
         return tuple(None if t is None else jnp.sum(t, axis=rows) for t in (a, b))
     zero = jnp.zeros((), jnp.float32)
     return jax.lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), rows)
