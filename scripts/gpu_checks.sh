@@ -25,12 +25,12 @@
 #   auto     model.fp8=auto on gpt2-124m, gpt2-1.3b and the slice (issue 38: never slower than bf16;
 #            where plan says auto chose no layer, or every one, it is the bf16 or the fp8 program)
 #   cublas   gpt2-124m and gpt2-1.3b in bf16 with XLA's Triton GEMMs off, so every GEMM is a cuBLASLt call
-#            and the MLP's bias + GELU run in its epilogue (issue 40; predicted 991.2 -> 964.7 ms and
-#            4,179.4 -> 4,135.8 ms on an H100, docs/benchmarks.md stop 49): against bench124/bench13
+#            and the MLP's bias + GELU run in its epilogue (issue 40; predicted 982.3 -> 962.7 ms and
+#            4,111.6 -> 4,064.1 ms on an H100 at stop 52, docs/benchmarks.md): against bench124/bench13
 #   attention scripts/attention_bench.py: causal attention alone, forward and backward, at gpt2-124m's and
 #            gpt2-1.3b's shapes: cuDNN as the model calls it, cuDNN in BNTH layout, tokamax's Mosaic GPU
 #            and Triton flash attention, XLA; each against the fp32 reference (issue 40 item 2); then
-#            gpt2-124m's step with model.attention=mosaic (predicted 1,051.7 ms, cuDNN's 991.2: stop 50)
+#            gpt2-124m's step with model.attention=mosaic (predicted 1,042.9 ms, cuDNN's 982.3: stop 52)
 #   profile  scripts/profile_step.py for gpt2-124m and gpt2-1.3b as bundled: a jax.profiler trace of 3
 #            steps, the measured time per group next to jaxgpt/gpu/cost.py's prediction, top kernels
 #   fp8loss  gpt2-1.3b trained FP8_STEPS steps (default 100, 16 x 2048 tokens each) with bf16 and
