@@ -183,6 +183,12 @@ def test_dp_with_accumulation_and_fp8_still_all_reduces_once(tiny):
     assert big and all(op.times == 1 for op in big)  # per-micro-batch ones would run grad_accum times
 
 
+def _instructions(text: str) -> tuple[dict, dict]:
+    """The compiled HLO's computations (name -> instructions) and every instruction by name."""
+    comps, _ = cost.parse_module(text)
+    return comps, {i.name: i for body in comps.values() for i in body}
+
+
 def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]]:
     """The memory-bound kernels (not GEMMs, not attention) of one step that read or write an array of
     `elements` elements: (kernel, how many such operands it reads, how many such results it
@@ -193,8 +199,7 @@ def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]
         return [dtype for dtype, dims in re.findall(r"\b([a-z][a-z0-9]*)\[([\d,]*)\]", shape)
                 if math.prod(int(d) for d in dims.split(",") if d) == elements]
 
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    _, instrs = _instructions(text)
     out = []
     for k in cost.kernels(text, perf.perf("h100"))[0]:
         if k.group not in (cost.GEMM, cost.ATTENTION):
@@ -231,8 +236,7 @@ def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(com
     (0.081 ms each at this micro-batch). One such pass is left: layer 0's ln_1, whose dx goes to
     the embedding's scatter."""
     text = compiled["gpt2_one_gpu"].compiled.as_text()
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    _, instrs = _instructions(text)
     rows, D = 128 * 1024, 768
     column_sums = []
     for k in _memory_bound(text, instrs):
@@ -327,8 +331,7 @@ def test_fp8_gradient_is_read_once_for_its_amax_and_bias_gradient(compiled):
     gradient [rows, 3D] and attn_out's and mlp_out's [rows, D] were each read once more per layer
     and micro-batch (gpt2-1.3b fp8: 3,333.4 -> 3,277.6 ms predicted)."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    comps, instrs = _instructions(text)
     source = lambda name: _source(instrs, name)  # noqa: E731
     kernels = _memory_bound(text, instrs)
     rows = 128 * 1024
@@ -350,8 +353,7 @@ def test_fp8_gemm_outputs_are_rescaled_inside_the_gemm_or_their_consumer(compile
     fused producer, so its rescale was a [rows, D] pass of its own per layer and micro-batch
     (gpt2-1.3b fp8: 3,277.6 -> 3,256.4 ms predicted)."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    _, instrs = _instructions(text)
     fp8_gemms = {i.name for i in instrs.values() if "__cublas$lt$matmul$f8" in i.line}
     rescales = []
     for k in _memory_bound(text, instrs):
@@ -370,8 +372,7 @@ def test_fp8_moves_no_standalone_f8_copy_per_micro_batch(compiled):
     kernel that casts it, with its transposed twin for the dw GEMM where one is needed. What
     remains runs once a step, on weights: attn_out's e4m3 weight transposed per layer."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    _, instrs = _instructions(text)
     types = lambda shape: re.findall(r"\b([a-z][a-z0-9]*)\[", shape)  # noqa: E731
     f8_only = []
     for k in cost.kernels(text, perf.perf("h100"), 1)[0]:
@@ -398,8 +399,7 @@ def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
         weights = {",".join(map(str, leaf.sharding.shard_shape(leaf.shape)))
                    for path, leaf in jax.tree_util.tree_leaves_with_path(c.state.params)
                    if path[0].key == "blocks" and str(path[-1].key).endswith("_kernel")}
-        comps, _ = cost.parse_module(text)
-        instrs = {i.name: i for body in comps.values() for i in body}
+        _, instrs = _instructions(text)
         casts = [(k.name, k.times) for k in cost.kernels(text, perf.perf("h100"), 8)[0]
                  if (i := instrs.get(k.name)) and "f8e4m3fn" in i.shape
                  and any(dims in weights and not dtype.startswith("f8") for o in i.operands if o in instrs
@@ -536,8 +536,7 @@ def _weight_gather_bytes(c: Compiled, layout: str) -> float:
     mesh, overrides = TINY_LAYOUTS[layout]
     text = c.compiled.as_text()
     weights = set(_block_weights(tiny_config(*overrides, mesh=mesh), 1).values())
-    comps, _ = cost.parse_module(text)
-    instrs = {i.name: i for body in comps.values() for i in body}
+    _, instrs = _instructions(text)
     total = 0.0
     for k in cost.kernels(text, perf.perf("h100"), 8)[0]:
         i = instrs.get(k.name)
