@@ -48,7 +48,8 @@ over the stacked blocks (the parameters stay stacked). Scanned, every activation
 keeps from a block is written into an [L, ...] stack and read back out of it, a copy each way per
 layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
 predicted (remat=none, 4 micro-batches): 1,930 -> 956 ms a step; on a CPU no difference; compile
-time grows with depth (13.7 -> 22.5 s for gpt2-124m). `model.attention` picks the kernel
+time grows with depth (13.7 -> 22.5 s for gpt2-124m). (Predicted again on 2026-11-28: 1,322.2
+scanned against 982.3 unrolled, with the residual stream carried as [B*T, D] rows, `run_blocks`.) `model.attention` picks the kernel
 (attention.py, beside the attention layer). The package docstring lists what each file holds.
 
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
@@ -75,7 +76,7 @@ from jaxgpt.model.layers import STD, Norm, param
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.model.remat import REMAT_POLICIES
 from jaxgpt.parallel.context import balanced_ways, to_device_order, to_window_order, ways as cp_ways
-from jaxgpt.parallel.mesh import shard
+from jaxgpt.parallel.mesh import shard, splits
 
 
 class GPT(nnx.Module):
@@ -179,11 +180,20 @@ class GPT(nnx.Module):
             x_BTD, stats_G = run_groups(x_BTD, self.groups)
             return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
 
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
-        def run_stack(x_BTD: jax.Array, block: Block) -> jax.Array:
-            return apply_block(block, x_BTD)
+        # The residual stream crosses the loop as [B*T, D] rows where no mesh axis splits its
+        # sequence (cp does: those rows would not be contiguous per device). As [B, T, D], XLA:GPU
+        # laid the scanned backward pass's gradient carry out as [T, D, B] and transposed it in
+        # every layer (the fp8 gradient's cast then transposed it twice): gpt2-124m scanned on one
+        # H100, 1,362.3 -> 1,322.2 ms a step bf16 and 1,217.7 -> 1,192.5 fp8, predicted.
+        B, T, D = x_BTD.shape
+        rows = splits("seq") == 1
 
-        return run_stack(x_BTD, self.blocks), None
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
+        def run_stack(x: jax.Array, block: Block) -> jax.Array:
+            return apply_block(block, x.reshape(B, T, D)).reshape(x.shape)
+
+        x = run_stack(x_BTD.reshape(B * T, D) if rows else x_BTD, self.blocks)
+        return x.reshape(B, T, D), None
 
     def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array,
                            docs: Documents | None) -> tuple[jax.Array, KV]:
