@@ -98,8 +98,9 @@ class MoEGroup(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None,
                  unroll: int | bool = 1, docs: Documents | None = None):
-        """Training: (x, MoEStats); `unroll`: the dense blocks' scan's (model.scan_layers). Decoding
-        (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
+        """Training: (x, MoEStats), x as `apply_block` takes it (GPT.run_blocks: [B*T, D] rows
+        unless cp splits the sequence); `unroll`: the dense blocks' scan's (model.scan_layers).
+        Decoding (kv: this group's [N, B, S, H, K] cache): (x, kv, stats)."""
         if kv is None:
             if self.dense is not None:
                 @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)

@@ -163,8 +163,20 @@ class GPT(nnx.Module):
         """The stacked blocks (training, no cache), however many this module holds: all of them, or
         one pipeline stage's (jaxgpt/parallel/pipeline.py). Returns (x, MoEStats averaged over the MoE
         blocks, or None for a dense model). `docs`: model.document_mask's documents of x's rows."""
-        def apply_block(block: Block, x_BTD: jax.Array) -> jax.Array:
-            return block(x_BTD, docs=docs)
+        # The residual stream crosses the layer loops as [B*T, D] rows where no mesh axis splits its
+        # sequence (cp does: those rows would not be contiguous per device); each block sees
+        # [B, T, D]. As [B, T, D], XLA:GPU laid the scanned backward pass's gradient carry out as
+        # [T, D, B] and transposed it in every layer (the fp8 gradient's cast then transposed it
+        # twice): gpt2-124m scanned on one H100, 1,362.3 -> 1,322.2 ms a step bf16 and
+        # 1,217.7 -> 1,192.5 fp8, predicted.
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(B * T, D) if splits("seq") == 1 else x_BTD
+
+        def apply_block(block: Block, x: jax.Array):
+            out = block(x.reshape(B, T, D), docs=docs)  # a dense block's x; an MoE block's (x, stats)
+            if isinstance(out, tuple):
+                return out[0].reshape(x.shape), *out[1:]
+            return out.reshape(x.shape)
 
         if self.cfg.remat == "auto":
             raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
@@ -174,26 +186,17 @@ class GPT(nnx.Module):
 
         if self.cfg.moe_experts:
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0), unroll=unroll)
-            def run_groups(x_BTD: jax.Array, group: MoEGroup):
-                return group(x_BTD, apply_block, unroll=unroll)
+            def run_groups(x: jax.Array, group: MoEGroup):
+                return group(x, apply_block, unroll=unroll)
 
-            x_BTD, stats_G = run_groups(x_BTD, self.groups)
-            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
-
-        # The residual stream crosses the loop as [B*T, D] rows where no mesh axis splits its
-        # sequence (cp does: those rows would not be contiguous per device). As [B, T, D], XLA:GPU
-        # laid the scanned backward pass's gradient carry out as [T, D, B] and transposed it in
-        # every layer (the fp8 gradient's cast then transposed it twice): gpt2-124m scanned on one
-        # H100, 1,362.3 -> 1,322.2 ms a step bf16 and 1,217.7 -> 1,192.5 fp8, predicted.
-        B, T, D = x_BTD.shape
-        rows = splits("seq") == 1
+            x, stats_G = run_groups(x, self.groups)
+            return x.reshape(B, T, D), MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_stack(x: jax.Array, block: Block) -> jax.Array:
-            return apply_block(block, x.reshape(B, T, D)).reshape(x.shape)
+            return apply_block(block, x)
 
-        x = run_stack(x_BTD.reshape(B * T, D) if rows else x_BTD, self.blocks)
-        return x.reshape(B, T, D), None
+        return run_stack(x, self.blocks).reshape(B, T, D), None
 
     def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array,
                            docs: Documents | None) -> tuple[jax.Array, KV]:
