@@ -635,6 +635,17 @@ def weights_once_per_step(cfg: Config, sizes: dict[str, int]) -> bool:
     return sizes.get("pp", 1) == 1 and not cfg.model.moe_experts
 
 
+def weight_grads_summed_in_gemm(cfg: Config, sizes: dict[str, int]) -> bool:
+    """Whether the train step sums the block weights' gradients over its micro-batches per layer,
+    inside the GEMMs that compute them (jaxgpt/model/layers.py `PrecastFp32Grad`): with micro-batches,
+    the copies once per step (`weights_once_per_step`) and the layers unrolled, each layer's
+    gradient is its own array. Not where automatic axes split the batch's rows (fsdp, cp: each GEMM's
+    partial gradient is reduced over them before the sum, and an fp32 one is twice the bytes), nor
+    with scanned layers (the gradients leave the loop as a stack)."""
+    return (cfg.train.grad_accum > 1 and weights_once_per_step(cfg, sizes) and not cfg.model.scan_layers
+            and sizes.get("fsdp", 1) == 1 and sizes.get("cp", 1) == 1)
+
+
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:
     """Sequences of one data shard in one gradient-accumulation round (what a pipeline splits into M)."""
     return cfg.train.batch_size // cfg.train.grad_accum // (sizes["dp"] * sizes["fsdp"] * sizes["ep"])

@@ -1,6 +1,7 @@
-"""The hand-written backward passes of model/norm.py and model/activations.py against autodiff of the
-plain formulas: the same values, and gradients equal to fp32 rounding (issue 40). What they save
-XLA:GPU from writing is held by tests/test_gpu_compile.py."""
+"""The hand-written backward passes of model/norm.py, model/activations.py and model/layers.py (a
+precast linear's fp32 weight gradient) against autodiff of the plain formulas: the same values,
+and gradients equal to fp32 rounding (issue 40). What they save XLA:GPU from writing is held by
+tests/test_gpu_compile.py."""
 
 from __future__ import annotations
 
@@ -114,3 +115,40 @@ def test_activation_amax_is_the_activations_own_amax(kind):
               jnp.full((4, 4), -0.7525)):
         assert float(activation_amax(kind, h)) >= float(jnp.max(jnp.abs(activate(kind, h)))), kind
     assert activation_amax("swiglu", h) is None
+
+
+# (spec, x's shape, the weight's): MLP in/out, attention-out's heads, QKV's [D, 3, H, K]
+LINEAR_CASES = [("btd,df->btf", (2, 16, 48), (48, 96)), ("btf,fd->btd", (2, 16, 96), (96, 48)),
+                ("bthk,hkd->btd", (2, 16, 4, 8), (4, 8, 48)), ("btd,dshk->btshk", (2, 16, 48), (48, 3, 4, 8))]
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", LINEAR_CASES, ids=[c[0] for c in LINEAR_CASES])
+def test_precast_linear_matches_autodiff_with_an_fp32_weight_gradient(spec, x_shape, w_shape):
+    """model/layers.py `_precast_einsum` (a block linear whose weight gradient the train step sums
+    inside its GEMM) against autodiff of einsum(x, w in bf16): the output and dx bit for bit, and
+    the fp32 parameter's gradient within 1e-6 of the exact fp32 sum of the bf16 products, which
+    autodiff first rounds to bf16 (4e-3 relative here, and worse on XLA:CPU's bf16 dots)."""
+    from jaxgpt.model.layers import _precast_einsum
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], x_shape).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(k[1], w_shape)
+    out = spec.split("->")[1]
+    dy = jax.random.normal(k[2], jax.eval_shape(lambda: jnp.einsum(spec, x, w.astype(jnp.bfloat16))).shape)
+    dy = dy.astype(jnp.bfloat16)
+
+    @jax.jit
+    def run(x, w, dy):
+        ours = jax.vjp(lambda x, w: _precast_einsum(spec, jnp.float32, x, w, w.astype(jnp.bfloat16)), x, w)
+        ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w.astype(jnp.bfloat16)), x, w)
+        a, b = spec.split("->")[0].split(",")
+        exact = jnp.einsum(f"{a},{out}->{b}", x.astype(jnp.float32), dy.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+        return ours[0], ours[1](dy), ref[0], ref[1](dy), exact
+
+    y, (dx, dw), y_ref, (dx_ref, dw_ref), exact = run(x, w, dy)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(dx_ref, np.float32))
+    assert dw.dtype == dw_ref.dtype == jnp.float32
+    scale = float(jnp.abs(exact).max())
+    np.testing.assert_allclose(dw, exact, rtol=0, atol=1e-6 * scale)
+    assert float(jnp.abs(dw_ref - exact).max()) > 1e-4 * scale  # what the fp32 gradient is for

@@ -156,7 +156,7 @@ def _global(amax: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _operands(spec: str) -> tuple[str, str, str]:
+def einsum_operands(spec: str) -> tuple[str, str, str]:
     """'btd,df->btf' -> ('btd', 'df', 'btf'), checked: every index of an operand is in the other
     operand or in the output (no index summed inside one operand), so both gradients are einsums."""
     ins, out = spec.replace(" ", "").split("->")
@@ -168,9 +168,9 @@ def _operands(spec: str) -> tuple[str, str, str]:
 
 
 @functools.cache
-def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
+def dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
     """dot_general's dimension numbers for a two-operand einsum, and the transpose to its output."""
-    a, b, out = _operands(spec)
+    a, b, out = einsum_operands(spec)
     batch = [c for c in a if c in b and c in out]
     contract = [c for c in a if c in b and c not in out]
     dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
@@ -190,7 +190,7 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
     into cuBLASLt's epilogue with the GELU after it, a GELU_AUX fp8 call XLA:GPU then fails to
     emit. The two agree bit for bit: the scales are powers of two, so the rescale is exact and the
     GEMM's rounding to `dtype` is the only one either way."""
-    dims, perm = _dot_plan(spec)
+    dims, perm = dot_plan(spec)
     out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=dtype)
     if perm != tuple(range(len(perm))):
         out = jnp.transpose(out, perm)
@@ -213,13 +213,13 @@ def _forward(spec, w_axes, x, w, x_amax=None):
     return scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
 
 
-def _backward(spec, w_axes, residuals, dy):
+def _backward(spec, w_axes, residuals, dy, dw_dtype=None):
     x_q, sx, w_q, sw = residuals
-    a, b, out = _operands(spec)
+    a, b, out = einsum_operands(spec)
     rows = tuple(i for i, c in enumerate(out) if c not in b)  # dy's axes that a bias gradient sums
     dy_q, sdy = quantize(dy, E5M2, pin=True, rows=rows)
     dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=True)
-    dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dy.dtype)
+    dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dw_dtype or dy.dtype)
     return dx, dw
 
 
@@ -268,31 +268,37 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     return Prequantized(w, q, q_t, scale)
 
 
+class PrequantizedFp32Grad(Prequantized):
+    """A `Prequantized` weight whose gradient GEMM writes fp32 (where the train step sums it over
+    micro-batches inside that GEMM, jaxgpt.config.weight_grads_summed_in_gemm), not the compute
+    dtype. A type of its own, not a field: a Prequantized is a pytree, and the choice must stay static."""
+
+
 def _transposed_spec(spec: str) -> str:
     """'btd,df->btf' -> 'btd,fd->btf': the weight's contracted letters, which must lead, moved last
     (the layout of Prequantized.q_t)."""
-    a, b, out = _operands(spec)
+    a, b, out = einsum_operands(spec)
     k = sum(c not in out for c in b)
     if any(c in out for c in b[:k]):
         raise ValueError(f"a prequantized weight's contracted axes must lead, got {spec!r}")
     return f"{a},{b[k:] + b[:k]}->{out}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, x: jax.Array, w: jax.Array, q: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, x: jax.Array, w: jax.Array, q: jax.Array,
                          q_t: jax.Array, scale: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
-    return _pre_forward(spec, w_dtype, x, w, q, q_t, scale, x_amax)[0]
+    return _pre_forward(spec, w_dtype, fp32_grad, x, w, q, q_t, scale, x_amax)[0]
 
 
-def _pre_forward(spec, w_dtype, x, w, q, q_t, scale, x_amax=None):
+def _pre_forward(spec, w_dtype, fp32_grad, x, w, q, q_t, scale, x_amax=None):
     x_q, sx = quantize(x, E4M3, amax=x_amax)
     y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
         scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
     return y, (x_q, sx, q, scale)
 
 
-def _pre_backward(spec, w_dtype, residuals, dy):
-    dx, dw = _backward(spec, None, residuals, dy)
+def _pre_backward(spec, w_dtype, fp32_grad, residuals, dy):
+    dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
     return dx, dw.astype(w_dtype), None, None, None, None  # q, q_t, scale, x_amax: made outside the gradient
 
 
@@ -311,7 +317,7 @@ def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: 
     with jax.named_scope(name):
         if isinstance(w, Prequantized):
             if fp8:
-                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), x, *w, x_amax)
+                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), x, *w, x_amax)
             w = w.w
         w = w.astype(x.dtype)
         return fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
@@ -323,7 +329,7 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = Non
     x and w share the compute dtype (the model casts its weights), which is also the output's.
     w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
     so the cast runs on each device's shard and fsdp's all-gather moves 1 byte an element."""
-    _operands(spec)
+    einsum_operands(spec)
     if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
         w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
     return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype), x_amax)

@@ -49,8 +49,9 @@ keeps from a block is written into an [L, ...] stack and read back out of it, a 
 layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
 predicted (remat=none, 4 micro-batches): 1,930 -> 956 ms a step; on a CPU no difference; compile
 time grows with depth (13.7 -> 22.5 s for gpt2-124m). (Predicted again on 2026-11-28: 1,322.2
-scanned against 982.3 unrolled, with the residual stream carried as [B*T, D] rows, `run_blocks`.) `model.attention` picks the kernel
-(attention.py, beside the attention layer). The package docstring lists what each file holds.
+scanned against 982.3 unrolled, with the residual stream carried as [B*T, D] rows, `run_blocks`.)
+`model.attention` picks the kernel (attention.py, beside the attention layer). The package
+docstring lists what each file holds.
 
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
 softmax (see attention.py) and the logits are fp32. The vocabulary is padded to a multiple of

@@ -20,7 +20,7 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.activations import activate, activation_amax
-from jaxgpt.model.fp8 import Prequantized, linear, prequantize
+from jaxgpt.model.fp8 import Prequantized, PrequantizedFp32Grad, dot_plan, einsum_operands, linear, prequantize
 from jaxgpt.model.norm import normalize
 from jaxgpt.parallel.mesh import shard
 
@@ -53,6 +53,11 @@ class Precast(NamedTuple):
     c: jax.Array  # w in the compute dtype
 
 
+class PrecastFp32Grad(Precast):
+    """A `Precast` whose weight gradient its GEMM writes in fp32 (`_precast_einsum`). A type of its
+    own, not a field: a Precast is a pytree, and the choice must stay static."""
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _read_copy(dtype: jnp.dtype, w: jax.Array, c: jax.Array) -> jax.Array:
     """c (w cast to the compute dtype) forward; backward, the cotangent in w's dtype, to w: what
@@ -71,6 +76,41 @@ def _read_copy_bwd(dtype, _, g):
 _read_copy.defvjp(_read_copy_fwd, _read_copy_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _precast_einsum(spec: str, w_dtype: jnp.dtype, x: jax.Array, w: jax.Array, c: jax.Array) -> jax.Array:
+    """einsum(spec, x, c), c being w cast to the compute dtype once per step (`Precast`); the
+    gradient goes to w, the parameter, in its own dtype.
+
+    The weight gradient's GEMM writes it in fp32, its accumulator's precision, where autodiff of
+    x @ c (`_read_copy`) rounds it to the compute dtype first: XLA:GPU then takes the train step's
+    sum over micro-batches into that GEMM (acc + x^T dy; jaxgpt/step.py sums these per layer)
+    instead of adding the bf16 gradient to the fp32 sum in a pass of its own. Only there: a
+    gradient that leaves the GEMM for a stack (scanned layers) or a reduce-scatter (fsdp) would
+    move twice the bytes (jaxgpt.config.weight_grads_summed_in_gemm)."""
+    return jnp.einsum(spec, x, c)
+
+
+def _precast_fwd(spec, w_dtype, x, w, c):
+    return jnp.einsum(spec, x, c), (x, c)
+
+
+def _precast_bwd(spec, w_dtype, residuals, dy):
+    x, c = residuals
+    a, b, out = einsum_operands(spec)
+    dx = _dot(f"{out},{b}->{a}", dy, c)
+    dw = _dot(f"{a},{out}->{b}", x, dy, jnp.float32)
+    return dx, dw.astype(w_dtype), None
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+    dims, perm = dot_plan(spec)
+    out = jax.lax.dot_general(x, y, dims, preferred_element_type=dtype)
+    return out if perm == tuple(range(len(perm))) else jnp.transpose(out, perm)
+
+
+_precast_einsum.defvjp(_precast_fwd, _precast_bwd)
+
+
 def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool,
           x_amax: jax.Array | None = None) -> jax.Array:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
@@ -78,6 +118,9 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool,
     The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`), or
     its `Precast` copy in the compute dtype (`precast_weights`)."""
     w = kernel.get_value()
+    if isinstance(w, PrecastFp32Grad):  # a kind not in fp8 (copies_once_per_step)
+        with jax.named_scope(name):
+            return _precast_einsum(spec, jnp.dtype(w.w.dtype), x, w.w, w.c)
     if isinstance(w, Precast):
         w = _read_copy(jnp.dtype(w.w.dtype), w.w, w.c)
     return linear(name, spec, x, w, fp8, kernel.logical_axes, x_amax)
@@ -92,7 +135,7 @@ LINEAR_WEIGHTS = {("attn", "c_attn_kernel"): ("qkv", 1), ("attn", "q_kernel"): (
 
 
 def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: jnp.dtype, *,
-                        unrolled: bool) -> dict:
+                        unrolled: bool, fp32_grads: bool = False) -> dict:
     """{module: {name: Prequantized}} for the weights of `blocks` (a dense model's stacked
     params['blocks']) whose kind is in `kinds`, each layer quantized as `dense` would (fp8.prequantize);
     `axes`: their logical axes, the stacked 'layers' axis first. The train step makes these once per
@@ -103,39 +146,46 @@ def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: 
     had each slice copied every micro-batch (gpt2-1.3b on an H100, 3,401.6 -> 3,372.8 ms a step
     predicted). Scanned layers slice the stack themselves, so there they stay stacked: stacking
     the tuples again would copy every copy once per micro-batch (llama-8b fp8 on 8 H100s, fsdp=8:
-    5,721.6 -> 5,705.8 ms predicted)."""
+    5,721.6 -> 5,705.8 ms predicted). fp32_grads: `PrequantizedFp32Grad`s, as `precast_weights`."""
     out: dict = {}
     for (module, name), (kind, contracted) in LINEAR_WEIGHTS.items():
         if kind in kinds and name in blocks.get(module, {}):
             w_axes = axes[module][name]
             stacked = sum(a in ("layers", "sublayers") for a in w_axes)
             p = prequantize(blocks[module][name], stacked, contracted, dtype, w_axes)
+            p = PrequantizedFp32Grad(*p) if fp32_grads else p
             out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=_layers(p.q_t)) if unrolled else p
     return out
 
 
-def precast_weights(blocks: dict, axes: dict, skip: frozenset[str], dtype: jnp.dtype, *, unrolled: bool) -> dict:
+def precast_weights(blocks: dict, axes: dict, skip: frozenset[str], dtype: jnp.dtype, *, unrolled: bool,
+                    fp32_grads: bool = False) -> dict:
     """{module: {name: Precast}} for the block linears of `blocks` whose kind is not in `skip` (the
     fp8 ones, which `prequantize_weights` copies): each weight cast to the compute dtype once per
     optimizer step, before the micro-batch loop, instead of in every micro-batch (gpt2-1.3b's 16
     micro-batches on one H100 each cast and sliced all 24 layers' fp32 weights: 44.6 ms a step
-    predicted). Per-layer tuples where the layers are unrolled, as `prequantize_weights` keeps them."""
+    predicted). Per-layer tuples where the layers are unrolled, as `prequantize_weights` keeps them.
+    fp32_grads: `PrecastFp32Grad`s, whose gradient GEMMs write fp32 (where the train step sums them
+    in the GEMM, jaxgpt.config.weight_grads_summed_in_gemm)."""
     out: dict = {}
     for (module, name), (kind, _) in LINEAR_WEIGHTS.items():
         if kind not in skip and name in blocks.get(module, {}):
             c = shard(blocks[module][name].astype(dtype), *axes[module][name])
-            out.setdefault(module, {})[name] = Precast(None, tuple(c) if unrolled else c)
+            out.setdefault(module, {})[name] = (PrecastFp32Grad if fp32_grads else Precast)(
+                None, tuple(c) if unrolled else c)
     return out
 
 
 def copies_once_per_step(blocks: dict, axes: dict, fp8_kinds: frozenset[str], dtype: jnp.dtype, *,
-                         unrolled: bool) -> dict:
+                         unrolled: bool, fp32_grads: bool = False) -> dict:
     """Every block linear's copy that the train step makes once per optimizer step, before its
     micro-batch loop (jaxgpt.config.weights_once_per_step): the fp8 kinds' e4m3 copies
     (`prequantize_weights`), the others cast to the compute dtype (`precast_weights`; none where
     that is the parameters' fp32). `with_prequantized` puts them in the params."""
-    out = precast_weights(blocks, axes, fp8_kinds, dtype, unrolled=unrolled) if dtype != jnp.float32 else {}
-    for module, weights in prequantize_weights(blocks, axes, fp8_kinds, dtype, unrolled=unrolled).items():
+    out = precast_weights(blocks, axes, fp8_kinds, dtype, unrolled=unrolled, fp32_grads=fp32_grads) \
+        if dtype != jnp.float32 else {}
+    for module, weights in prequantize_weights(blocks, axes, fp8_kinds, dtype, unrolled=unrolled,
+                                               fp32_grads=fp32_grads).items():
         out[module] = {**out.get(module, {}), **weights}
     return out
 
@@ -162,7 +212,7 @@ def with_prequantized(params: dict, prequantized: dict | None) -> dict:
 
 def _around(p: Prequantized | Precast, w: jax.Array) -> Prequantized | Precast:
     if isinstance(p, Precast):
-        return Precast(w, jnp.stack(p.c) if isinstance(p.c, tuple) else p.c)
+        return p._replace(w=w, c=jnp.stack(p.c) if isinstance(p.c, tuple) else p.c)
     return p._replace(w=w, **({"q": jnp.stack(p.q), "q_t": _stacked(p.q_t)} if isinstance(p.q, tuple) else {}))
 
 
