@@ -53,7 +53,10 @@ quantizing in the loop gives (tests/test_kernels.py), and on gpt2-1.3b's 16 micr
 H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. With
 one micro-batch it is the same work, but one kernel then writes both layouts, where quantizing in
 the loss transposed the e4m3 copy in a kernel of its own (the llama-8b slice at one micro-batch:
-739.9 -> 732.2 ms predicted, stop 52). A pipeline
+739.9 -> 732.2 ms predicted, stop 52). Where the train step sums the weight gradients over its
+micro-batches inside their GEMMs (jaxgpt.config.weight_grads_summed_in_gemm), the copies are
+`PrequantizedFp32Grad`s: the dw GEMM writes fp32, which XLA adds to the sum in the same cuBLASLt
+call, rather than bf16 added in a pass of its own (gpt2-1.3b: 3,253.2 -> 3,182.1 ms). A pipeline
 (its stage weights are gathered per round, below) and the experts' GEMMs quantize in the loop.
 
 Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
