@@ -59,7 +59,7 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     gradient per layer inside the GEMM that computes it (jaxgpt.config.weight_grads_summed_in_gemm),
     scanned it sums the stacked bf16-rounded ones. Six steps of AdamW follow the same losses to 2^-12
     relative (3.9e-6 measured): a layer's sum in another layer's place, or a micro-batch left out,
-    would turn the updates."""
+    would turn the updates. Not under remat=dots (its saved matmul outputs), fsdp, cp, or one micro-batch."""
     losses = []
     for scan in ("true", "false"):
         cfg = tiny_config("train.steps=6", "train.grad_accum=2", "model.dtype=bfloat16", "model.loss_chunk=0",
@@ -69,6 +69,9 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
         losses.append(train_losses(tmp_path / scan))
     assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0] - 0.05
     np.testing.assert_allclose(losses[1], losses[0], rtol=2.0 ** -12, atol=0)
+    unrolled = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
+    for other, sizes in ((("model.remat=dots",), {}), ((), {"fsdp": 2}), ((), {"cp": 2}), (("train.grad_accum=1",), {})):
+        assert not weight_grads_summed_in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
 
 
 @pytest.mark.parametrize("layout", ["dp=1", "dp=2,fsdp=2,tp=2"])
