@@ -341,6 +341,25 @@ def test_online_logsumexp_matches_two_passes():
     np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=0)
 
 
+def _copies_and_in_loop(cfg, rows: int, make_copies) -> tuple:
+    """A bf16 micro-batch of `rows` sequences through `cfg`'s model: (params, the copies
+    `make_copies(blocks, axes)` makes of its block weights, loss(params, copies), (loss, grads) with
+    the copies, (loss, grads) with each weight cast or quantized inside its layer instead)."""
+    from flax import nnx
+
+    from jaxgpt.model import GPT, with_prequantized
+    from jaxgpt.step import objective_fn, param_logical_axes
+    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
+    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
+    batch_BT1 = jax.random.randint(jax.random.key(1), (rows, cfg.seq_len + 1), 0, cfg.vocab_size)
+    pre = make_copies(params["blocks"], axes["blocks"])
+
+    def loss(p, pre):
+        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
+
+    return params, pre, loss, *(jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
+
+
 @pytest.mark.parametrize("overrides, weights", [
     (["model.scan_layers=false"], {"attn": ["c_attn_kernel", "c_proj_kernel"], "mlp": ["c_fc_kernel", "c_proj_kernel"]}),
     (["model.norm=rmsnorm", "model.mlp=swiglu", "model.mlp_hidden=64", "model.n_kv_head=2", "model.bias=false"],
@@ -354,22 +373,11 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
     layers unrolled (GPT-2 here, the copies per layer) and scanned (Llama, the copies stacked); and no
     max-reduction over a block weight is left in the prequantized loss (the weights' amax is taken
     outside)."""
-    from flax import nnx
-
-    from jaxgpt.model import GPT, prequantize_weights, with_prequantized
-    from jaxgpt.step import objective_fn, param_logical_axes
+    from jaxgpt.model import prequantize_weights
     cfg = tiny_config("model.fp8=true", *overrides).model
-    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
-    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
-    batch_BT1 = jax.random.randint(jax.random.key(1), (4, cfg.seq_len + 1), 0, cfg.vocab_size)
-    pre = prequantize_weights(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16,
-                              unrolled=not cfg.scan_layers)
+    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 4, lambda blocks, axes: prequantize_weights(
+        blocks, axes, cfg.fp8_linears(), jnp.bfloat16, unrolled=not cfg.scan_layers))
     assert {module: sorted(ws) for module, ws in pre.items()} == weights
-
-    def loss(p, pre):
-        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
-
-    (l_pre, g_pre), (l_in, g_in) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
@@ -389,23 +397,12 @@ def test_fp32_weight_gradients_round_to_the_in_loop_ones():
     a bf16 one is within 2^-5 of its largest element: XLA:CPU's bf16 dot, which autodiff's in-loop
     gradient takes, is off by up to 2% of it here (tests/test_custom_vjps.py holds the fp32 one
     to 1e-6 of the exact sum)."""
-    from flax import nnx
-
-    from jaxgpt.model import GPT, PrecastFp32Grad, PrequantizedFp32Grad, copies_once_per_step, with_prequantized
-    from jaxgpt.step import objective_fn, param_logical_axes
+    from jaxgpt.model import PrecastFp32Grad, PrequantizedFp32Grad, copies_once_per_step
     cfg = tiny_config("model.scan_layers=false", "model.fp8=qkv,mlp_out").model
-    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
-    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
-    batch_BT1 = jax.random.randint(jax.random.key(1), (3, cfg.seq_len + 1), 0, cfg.vocab_size)
-    pre = copies_once_per_step(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16,
-                               unrolled=True, fp32_grads=True)
+    _, pre, _, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3, lambda blocks, axes: copies_once_per_step(
+        blocks, axes, cfg.fp8_linears(), jnp.bfloat16, unrolled=True, fp32_grads=True))
     kinds = {(module, name): type(p) for module, ws in pre.items() for name, p in ws.items()}
     assert sorted(k.__name__ for k in kinds.values()) == ["PrecastFp32Grad"] * 2 + ["PrequantizedFp32Grad"] * 2
-
-    def loss(p, pre):
-        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
-
-    (l_pre, g_pre), (l_in, g_in) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
         a, b = np.asarray(a), np.asarray(b)
@@ -427,22 +424,12 @@ def test_precast_weights_give_the_in_loop_loss_and_gradients(overrides):
     micro-batch. A micro-batch's loss and every fp32 gradient are bit for bit those of casting in
     the layer, in bf16, unrolled (per-layer copies, also beside fp8 kinds' prequantized ones) and
     scanned (stacked copies); and no block weight is cast inside the loss any more."""
-    from flax import nnx
-
-    from jaxgpt.model import GPT, copies_once_per_step, with_prequantized
-    from jaxgpt.step import objective_fn, param_logical_axes
+    from jaxgpt.model import copies_once_per_step
     cfg = tiny_config(*overrides).model
-    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
-    params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
-    batch_BT1 = jax.random.randint(jax.random.key(1), (3, cfg.seq_len + 1), 0, cfg.vocab_size)  # 96 rows: no weight's shape
-    pre = copies_once_per_step(params["blocks"], axes["blocks"], cfg.fp8_linears(), jnp.bfloat16,
-                               unrolled=not cfg.scan_layers)
+    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(  # 96 rows: no weight's shape
+        cfg, 3, lambda blocks, axes: copies_once_per_step(blocks, axes, cfg.fp8_linears(), jnp.bfloat16,
+                                                          unrolled=not cfg.scan_layers))
     assert sum(len(ws) for ws in pre.values()) == (6 if cfg.mlp == "swiglu" else 4)
-
-    def loss(p, pre):
-        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
-
-    (l_pre, g_pre), (l_in, g_in) = (jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
         assert a.dtype == jnp.float32, path

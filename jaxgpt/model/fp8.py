@@ -171,7 +171,7 @@ def einsum_operands(spec: str) -> tuple[str, str, str]:
 
 
 @functools.cache
-def dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
+def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
     """dot_general's dimension numbers for a two-operand einsum, and the transpose to its output."""
     a, b, out = einsum_operands(spec)
     batch = [c for c in a if c in b and c in out]
@@ -180,6 +180,14 @@ def dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
             (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
     result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]  # dot_general's order
     return dims, tuple(result.index(c) for c in out)
+
+
+def planned_dot(spec: str, x: jax.Array, y: jax.Array, dtype: jnp.dtype | None = None) -> jax.Array:
+    """einsum(spec, x, y) as one dot_general with `_dot_plan`'s dimension numbers (the contracted
+    axes in x's order, so both operands keep them in one order) and `dtype` as its preferred type."""
+    dims, perm = _dot_plan(spec)
+    out = jax.lax.dot_general(x, y, dims, preferred_element_type=dtype)
+    return out if perm == tuple(range(len(perm))) else jnp.transpose(out, perm)
 
 
 def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax.Array,
@@ -193,10 +201,7 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
     into cuBLASLt's epilogue with the GELU after it, a GELU_AUX fp8 call XLA:GPU then fails to
     emit. The two agree bit for bit: the scales are powers of two, so the rescale is exact and the
     GEMM's rounding to `dtype` is the only one either way."""
-    dims, perm = dot_plan(spec)
-    out = jax.lax.dot_general(x_q, y_q, dims, preferred_element_type=dtype)
-    if perm != tuple(range(len(perm))):
-        out = jnp.transpose(out, perm)
+    out = planned_dot(spec, x_q, y_q, dtype)
     if fold:
         return out * (sx * sy).astype(dtype)
     return (out.astype(jnp.float32) * (sx * sy)).astype(dtype)
