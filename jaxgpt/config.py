@@ -641,11 +641,11 @@ def weight_grads_summed_in_gemm(cfg: Config, sizes: dict[str, int]) -> bool:
     the copies once per step (`weights_once_per_step`) and the layers unrolled, each layer's
     gradient is its own array. Not where automatic axes split the batch's rows (fsdp, cp: each GEMM's
     partial gradient is reduced over them before the sum, and an fp32 one is twice the bytes), nor
-    with scanned layers (the gradients leave the loop as a stack), nor under the remat policies that
-    keep matmul outputs: a custom VJP's output is not a dot to them, so its GEMM would be run again."""
+    with scanned layers (the gradients leave the loop as a stack). Any remat policy: the ones that
+    keep matmul outputs keep the dots inside those GEMMs' custom VJPs too (jax.checkpoint traces the
+    forward rule), so nothing is run again (tests/test_parallel.py counts the compiled dots)."""
     return (cfg.train.grad_accum > 1 and weights_once_per_step(cfg, sizes) and not cfg.model.scan_layers
-            and sizes.get("fsdp", 1) == 1 and sizes.get("cp", 1) == 1
-            and cfg.model.remat not in ("dots", "dots_no_batch", "auto"))
+            and sizes.get("fsdp", 1) == 1 and sizes.get("cp", 1) == 1)
 
 
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:

@@ -65,8 +65,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches, weight_grads_summed_in_gemm, weights_once_per_step
-from jaxgpt.model import (GPT, REMAT_POLICIES, PrecastFp32Grad, PrequantizedFp32Grad, compute_dtype,
-                          copies_once_per_step, head_table, with_prequantized)
+from jaxgpt.model import (GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, from_gemm_pieces, gemm_pieces,
+                          head_table, with_prequantized)
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
 from jaxgpt.model.loss import chunked_cross_entropy, token_nats
@@ -304,7 +304,8 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
     # (`prequantized`: the block weights' copies made before the micro-batch loop, not differentiated)
     grad_fn = jax.grad(lambda trainable, bias, prequantized, *args: objective(
-        with_balance(with_prequantized(trainable, prequantized), bias), *args), has_aux=True)
+        with_balance(with_prequantized(trainable, prequantized, setup.logical_axes.get("blocks")), bias), *args),
+        has_aux=True)
     # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch (a dense model's
     # stacked blocks; a pipeline gathers its stage weights itself, and the experts' GEMMs cast theirs)
     once = weights_once_per_step(cfg, dict(mesh.shape))  # copies_once_per_step: none where there is nothing to copy
@@ -324,17 +325,16 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
         # The gradients of the weights whose GEMMs write them in fp32 (the *Fp32Grad copies) are summed
-        # per layer, tuples of L arrays stacked once after the loop: XLA:GPU then takes each sum
-        # into its GEMM (acc + x^T dy). Summed as [L, ...] stacks, every micro-batch gathered the
-        # layers' gradients into a stack and added it in a pass of its own (gpt2-1.3b on one H100,
-        # 4,111.6 -> 4,037.5 ms a step predicted).
-        per_layer = {(module, name) for module, weights in (copies or {}).items() for name, p in weights.items()
-                     if isinstance(p, PrecastFp32Grad | PrequantizedFp32Grad)}
+        # per GEMM (per layer, and per q, k and v where those are GEMMs of their own), stacked once
+        # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy). Summed as
+        # [L, ...] stacks, every micro-batch gathered the layers' gradients into a stack and added
+        # it in a pass of its own (gpt2-1.3b on one H100, 4,111.6 -> 4,037.5 ms a step predicted).
+        axes = setup.logical_axes.get("blocks", {})  # a dense model's (copies are made only for those)
 
         def split(grads: dict) -> dict:
-            if not per_layer:
+            if not copies:
                 return grads
-            return {**grads, "blocks": {module: {name: tuple(g) if (module, name) in per_layer else g
+            return {**grads, "blocks": {module: {name: gemm_pieces(g, copies.get(module, {}).get(name), axes[module][name])
                                                  for name, g in weights.items()}
                                         for module, weights in grads["blocks"].items()}}
 
@@ -347,8 +347,9 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         zeros = vary(({k: jnp.zeros((), jnp.float32) for k in names} | load,
                       split(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))))
         metrics, grads = jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
-        if per_layer:
-            grads = {**grads, "blocks": jax.tree.map(jnp.stack, grads["blocks"], is_leaf=lambda x: isinstance(x, tuple))}
+        if copies:
+            grads = {**grads, "blocks": {module: {name: from_gemm_pieces(g, axes[module][name]) for name, g in weights.items()}
+                                         for module, weights in grads["blocks"].items()}}
         return metrics, grads
 
     def mean_grads(params: dict, bias, batch_BT1: jax.Array) -> tuple[dict, dict]:

@@ -138,7 +138,7 @@ def test_precast_linear_matches_autodiff_with_an_fp32_weight_gradient(spec, x_sh
 
     @jax.jit
     def run(x, w, dy):
-        ours = jax.vjp(lambda x, w: _precast_einsum(spec, jnp.float32, x, w, w.astype(jnp.bfloat16)), x, w)
+        ours = jax.vjp(lambda x, w: _precast_einsum(spec, jnp.float32, True, None, x, w, w.astype(jnp.bfloat16)), x, w)
         ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w.astype(jnp.bfloat16)), x, w)
         a, b = spec.split("->")[0].split(",")
         exact = jnp.einsum(f"{a},{out}->{b}", x.astype(jnp.float32), dy.astype(jnp.float32),
@@ -152,3 +152,49 @@ def test_precast_linear_matches_autodiff_with_an_fp32_weight_gradient(spec, x_sh
     scale = float(jnp.abs(exact).max())
     np.testing.assert_allclose(dw, exact, rtol=0, atol=1e-6 * scale)
     assert float(jnp.abs(dw_ref - exact).max()) > 1e-4 * scale  # what the fp32 gradient is for
+
+
+@pytest.mark.parametrize("fp32_grad", [False, True], ids=["bf16_dw", "fp32_dw"])
+def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_projection(fp32_grad):
+    """model/layers.py `_precast_einsum` with parts (attention's q, k and v as a GEMM each on its
+    slice of c_attn [D, 3, H, K]) and a bias (added to the fp32 dot, then rounded once) against
+    autodiff of the one fused GEMM plus the bias in bf16 (GPT-2's qkv before issue 40's split).
+    Against the exact fp32 values: q, k and v within bf16's half ulp (one rounding, where the fused
+    GEMM rounded twice); dx within 3 ulps (three GEMMs' bf16 sums); the weight gradient as
+    autodiff's, or the exact fp32 sum (fp32_grad); the bias gradient the exact fp32 sum (autodiff
+    summed in bf16). All gradients arrive in the parameters' own layouts."""
+    from jaxgpt.model.layers import _precast_einsum
+    k = jax.random.split(jax.random.key(1), 5)
+    x = jax.random.normal(k[0], (2, 16, 48)).astype(jnp.bfloat16)
+    w = 0.1 * jax.random.normal(k[1], (48, 3, 4, 8))
+    b = 0.5 * jax.random.normal(k[2], (3, 4, 8))
+    dy = tuple(jax.random.normal(key, (2, 16, 4, 8)).astype(jnp.bfloat16) for key in jax.random.split(k[3], 3))
+    hi = jax.lax.Precision.HIGHEST
+
+    @jax.jit
+    def run(x, w, b, dy):
+        ours = jax.vjp(lambda x, w, b: _precast_einsum("btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w,
+                                                       w.astype(jnp.bfloat16), b), x, w, b)
+        fused = lambda x, w, b: jnp.einsum("btd,dshk->btshk", x, w.astype(jnp.bfloat16)) + b.astype(jnp.bfloat16)  # noqa: E731
+        ref = jax.vjp(fused, x, w, b)
+        dy_BT3HK = jnp.stack(dy, axis=2)
+        x32, w32, dy32 = x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32), dy_BT3HK.astype(jnp.float32)
+        exact = (jnp.einsum("btd,dshk->btshk", x32, w32, precision=hi) + b,
+                 jnp.einsum("btshk,dshk->btd", dy32, w32, precision=hi),
+                 jnp.einsum("btd,btshk->dshk", x32, dy32, precision=hi), dy32.sum((0, 1)))
+        return ours[0], ours[1](dy), ref[0], ref[1](dy_BT3HK), exact
+
+    ys, (dx, dw, db), y_ref, (dx_ref, dw_ref, db_ref), (y_exact, dx_exact, dw_exact, db_exact) = run(x, w, b, dy)
+    ulp = lambda a: 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)  # noqa: E731  bf16's spacing at |a|
+    for i, y in enumerate(ys):
+        assert y.shape == y_ref[:, :, i].shape and y.dtype == jnp.bfloat16
+        exact_i = np.asarray(y_exact[:, :, i])
+        assert np.all(np.abs(np.asarray(y, np.float32) - exact_i) <= 0.5 * ulp(exact_i) + 1e-7)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), dx_exact, rtol=0, atol=3 * float(ulp(np.abs(dx_exact).max())))
+    assert dw.shape == w.shape and dw.dtype == jnp.float32 and db.shape == b.shape and db.dtype == jnp.float32
+    scale = float(jnp.abs(dw_exact).max())
+    if fp32_grad:
+        np.testing.assert_allclose(dw, dw_exact, rtol=0, atol=1e-6 * scale)
+    else:
+        np.testing.assert_array_equal(dw, dw_ref)
+    np.testing.assert_allclose(db, db_exact, rtol=0, atol=1e-6 * float(jnp.abs(db_exact).max()))

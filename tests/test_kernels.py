@@ -341,6 +341,17 @@ def test_online_logsumexp_matches_two_passes():
     np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=0)
 
 
+def _assert_same_gradient(cfg, path, a, b) -> None:
+    """a (with the copies) is b (in the loop) bit for bit; but for the bias of fp8 q, k and v GEMMs,
+    whose gradient the prequantized GEMMs sum in fp32 (model/fp8.py `_pre_backward`) where autodiff
+    of the in-loop bias add sums it in bf16: within 2^-5 of its largest element."""
+    a, b = np.asarray(a), np.asarray(b)
+    if tuple(getattr(k, "key", None) for k in path) == ("blocks", "attn", "c_attn_bias") and "qkv" in cfg.fp8_linears():
+        np.testing.assert_allclose(a, b, rtol=0, atol=2.0 ** -5 * np.abs(b).max(), err_msg=str(path))
+    else:
+        np.testing.assert_array_equal(a, b, err_msg=str(path))
+
+
 def _copies_and_in_loop(cfg, rows: int, make_copies) -> tuple:
     """A bf16 micro-batch of `rows` sequences through `cfg`'s model: (params, the copies
     `make_copies(blocks, axes)` makes of its block weights, loss(params, copies), (loss, grads) with
@@ -355,7 +366,7 @@ def _copies_and_in_loop(cfg, rows: int, make_copies) -> tuple:
     pre = make_copies(params["blocks"], axes["blocks"])
 
     def loss(p, pre):
-        return objective_fn(with_prequantized(p, pre), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
+        return objective_fn(with_prequantized(p, pre, axes["blocks"]), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
 
     return params, pre, loss, *(jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
 
@@ -380,7 +391,7 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
     assert {module: sorted(ws) for module, ws in pre.items()} == weights
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+        _assert_same_gradient(cfg, path, a, b)
     weight_shapes = {w.q[0].shape for ws in pre.values() for w in ws.values()}  # one layer's
     maxes = [eqn.invars[0].aval.shape for eqn in _equations(jax.make_jaxpr(loss)(params, pre).jaxpr)
              if eqn.primitive.name == "reduce_max"]
@@ -412,7 +423,7 @@ def test_fp32_weight_gradients_round_to_the_in_loop_ones():
         elif kind is PrecastFp32Grad:
             np.testing.assert_allclose(a, b, rtol=0, atol=2.0 ** -5 * np.abs(b).max(), err_msg=str(path))
         else:
-            np.testing.assert_array_equal(a, b, err_msg=str(path))
+            _assert_same_gradient(cfg, path, a, b)
 
 
 @pytest.mark.parametrize("overrides", [["model.scan_layers=false"], ["model.scan_layers=false", "model.fp8=qkv,mlp_out"],
@@ -433,7 +444,7 @@ def test_precast_weights_give_the_in_loop_loss_and_gradients(overrides):
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
         assert a.dtype == jnp.float32, path
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+        _assert_same_gradient(cfg, path, a, b)
     weights = {params["blocks"][module][name].shape for module, ws in pre.items() for name in ws}
     weights |= {shape[1:] for shape in weights}  # the stack and one layer
     casts = [eqn.invars[0].aval.shape for eqn in _equations(jax.make_jaxpr(loss)(params, pre).jaxpr)

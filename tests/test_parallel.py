@@ -3,6 +3,8 @@ collectives the layout implies. Runs on the 8 fake CPU devices from conftest.py.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -59,7 +61,7 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     gradient per layer inside the GEMM that computes it (jaxgpt.config.weight_grads_summed_in_gemm),
     scanned it sums the stacked bf16-rounded ones. Six steps of AdamW follow the same losses to 2^-12
     relative (3.9e-6 measured): a layer's sum in another layer's place, or a micro-batch left out,
-    would turn the updates. Not under remat=dots (its saved matmul outputs), fsdp, cp, or one micro-batch."""
+    would turn the updates. Not under fsdp, cp, or with one micro-batch."""
     losses = []
     for scan in ("true", "false"):
         cfg = tiny_config("train.steps=6", "train.grad_accum=2", "model.dtype=bfloat16", "model.loss_chunk=0",
@@ -70,8 +72,24 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0] - 0.05
     np.testing.assert_allclose(losses[1], losses[0], rtol=2.0 ** -12, atol=0)
     unrolled = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
-    for other, sizes in ((("model.remat=dots",), {}), ((), {"fsdp": 2}), ((), {"cp": 2}), (("train.grad_accum=1",), {})):
+    for other, sizes in (((), {"fsdp": 2}), ((), {"cp": 2}), (("train.grad_accum=1",), {})):
         assert not weight_grads_summed_in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
+
+
+def test_remat_dots_runs_no_gemm_of_the_summed_gradients_again():
+    """bf16, unrolled, 2 micro-batches on dp=8: the block linears' GEMMs that sum their weight
+    gradients in place are custom VJPs (model/layers.py `_precast_einsum`), and remat=dots and
+    dots_no_batch keep the dots inside them as they keep autodiff's (jax.checkpoint traces the
+    forward rule). The compiled step holds as many dots under remat=dots as under none, and under
+    dots_no_batch two more per layer: the XLA attention's batched einsums (a CPU's), which that
+    policy does not keep. remat=full, which runs every block's forward again, holds more still."""
+    overrides = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
+    cfg = tiny_config(*overrides, "model.remat=dots")
+    assert weight_grads_summed_in_gemm(cfg, {"dp": 8})
+    dots = {remat: len(re.findall(r" dot\(", _compiled_hlo("dp=8", *overrides, f"model.remat={remat}")))
+            for remat in ("none", "dots", "dots_no_batch", "full")}
+    assert dots["none"] > 0 and dots["dots"] == dots["none"], dots
+    assert dots["dots_no_batch"] == dots["none"] + 2 * cfg.model.n_layer < dots["full"], dots
 
 
 @pytest.mark.parametrize("layout", ["dp=1", "dp=2,fsdp=2,tp=2"])

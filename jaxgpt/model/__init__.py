@@ -22,7 +22,8 @@ from jaxgpt.model.blocks import Block, MoE, MoEGroup
 from jaxgpt.model.fp8 import PrequantizedFp32Grad
 from jaxgpt.model.gpt import GPT, head_logits, head_table, param_count, softcap
 from jaxgpt.model.layers import (MLP, STD, Norm, PrecastFp32Grad, compute_dtype, copies_once_per_step,
-                                 precast_weights, prequantize_weights, with_prequantized)
+                                 from_gemm_pieces, gemm_pieces, precast_weights, prequantize_weights,
+                                 with_prequantized)
 from jaxgpt.model.remat import REMAT_POLICIES
 
 __all__ = ["GPT", "KV", "KVCache", "REMAT_POLICIES", "STD", "Attention", "Block", "MLP", "MoE", "MoEGroup", "Norm",

@@ -79,6 +79,7 @@ call is told whether its own kind is in fp8.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -168,6 +169,13 @@ def einsum_operands(spec: str) -> tuple[str, str, str]:
             or not set(b) <= set(a) | set(out) or set(out) != set(a) ^ set(b) | (set(a) & set(b) & set(out)):
         raise ValueError(f"fp8_einsum needs a two-operand matmul spec, got {spec!r}")
     return a, b, out
+
+
+@functools.cache
+def slice_spec(spec: str, axis: int) -> str:
+    """The spec of one slice of the weight along its `axis`: 'btd,dshk->btshk', 1 -> 'btd,dhk->bthk'."""
+    a, b, out = einsum_operands(spec)
+    return f"{a},{b.replace(b[axis], '')}->{out.replace(b[axis], '')}"
 
 
 @functools.cache
@@ -292,43 +300,96 @@ def _transposed_spec(spec: str) -> str:
     return f"{a},{b[k:] + b[:k]}->{out}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, x: jax.Array, w: jax.Array, q: jax.Array,
-                         q_t: jax.Array, scale: jax.Array, x_amax: jax.Array | None = None) -> jax.Array:
-    return _pre_forward(spec, w_dtype, fp32_grad, x, w, q, q_t, scale, x_amax)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int | None, x: jax.Array,
+                         w: jax.Array, q: jax.Array, q_t: jax.Array, scale: jax.Array, x_amax: jax.Array | None = None,
+                         b: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
+    """`jnp.einsum(spec, x, w)` (+ b) from the weight's e4m3 copies (`Prequantized`).
+
+    parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (attention's
+    q, k and v), the tuple of their outputs: each GEMM writes its slice as the attention kernel
+    reads it, with the rescale in cuBLASLt's alpha and the bias b (its leading axis the slices') in
+    its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of its own.
+    The backward joins the slices' gradients (the kernel that takes their amax and the bias's
+    gradient) for one e5m2 cast and the weight's two gradient GEMMs, as before."""
+    return _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax, b)[0]
 
 
-def _pre_forward(spec, w_dtype, fp32_grad, x, w, q, q_t, scale, x_amax=None):
+def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=None, b=None):
     x_q, sx = quantize(x, E4M3, amax=x_amax)
-    y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
-        scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
-    return y, (x_q, sx, q, scale)
+    if parts is None or q_t is None:  # q_t None: fsdp gathers q, once for the forward and the backward
+        y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
+            scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
+        y = y if b is None else y + b.astype(y.dtype)
+        if parts is not None:
+            _, wl, out = einsum_operands(spec)
+            axis = out.index(wl[parts])
+            y = tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
+    else:
+        # each slice's GEMM as [rows, K] x [K, F] (its output axes flattened): cuBLASLt then takes
+        # the rescale into its alpha and the bias into its epilogue; over [B, T, H, K] XLA:GPU
+        # applies both in a pass of their own
+        _, wl, out = einsum_operands(spec)
+        k = sum(c not in out for c in wl)  # the contracted axes: w's first, x's last, q_t's last
+        rows, x2_q = x.shape[:-k], x_q.reshape(-1, math.prod(x.shape[-k:]))
+        y = []
+        for i in range(q.shape[parts]):
+            # each GEMM its own copy of the scale (a barrier after the GEMM before): XLA:GPU folds a
+            # rescale into cuBLASLt's alpha only where that scale has no other user
+            sx_i = jax.lax.optimization_barrier((sx, y[-1]))[0] if y else sx
+            w_i = jax.lax.index_in_dim(q_t, i, parts - k, keepdims=False)
+            y_i = scaled_dot("rk,fk->rf", x2_q, sx_i, w_i.reshape(-1, x2_q.shape[1]), scale, x.dtype, fold=True)
+            if b is not None:  # its own array (a barrier), as in layers.py `_precast_einsum`
+                y_i = y_i + jax.lax.optimization_barrier(b[i].astype(x.dtype).reshape(-1))
+            y.append(y_i.reshape(*rows, *w_i.shape[:-k]))
+        y = tuple(y)
+    return y, (x_q, sx, q, scale, b)
 
 
-def _pre_backward(spec, w_dtype, fp32_grad, residuals, dy):
+def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
+    *residuals, b = residuals
+    a, wl, out = einsum_operands(spec)
+    if parts is not None:  # joined as autodiff joins slices' gradients (padded and added): XLA:GPU
+        # then takes the amax and the bias's gradient in the kernel that joins them (a concatenate: two)
+        axis, n = out.index(wl[parts]), len(dy)
+        dy = sum(jax.lax.pad(jnp.expand_dims(g, axis), jnp.zeros((), g.dtype),
+                             [(i if d == axis else 0, n - 1 - i if d == axis else 0, 0) for d in range(g.ndim + 1)])
+                 for i, g in enumerate(dy))
     dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
-    return dx, dw.astype(w_dtype), None, None, None, None  # q, q_t, scale, x_amax: made outside the gradient
+    rows = tuple(i for i, c in enumerate(out) if c not in wl)
+    db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=rows).astype(b.dtype)
+    return dx, dw.astype(w_dtype), None, None, None, None, db  # q, q_t, scale, x_amax: made outside the gradient
 
 
 _prequantized_einsum.defvjp(_pre_forward, _pre_backward)
 
 
 def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None,
-           x_amax: jax.Array | None = None) -> jax.Array:
+           x_amax: jax.Array | None = None, *, parts: int | None = None,
+           bias: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
     ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
     gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
     the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
     tells which layer each GEMM belongs to. w_axes: the weight's logical axes (its Param's), see
     `fp8_einsum`. x_amax: max |x| in fp32 where the caller knows it without reading x (the MLP
-    activation's, model/activations.py `activation_amax`); fp8 only."""
+    activation's, model/activations.py `activation_amax`); fp8 only. bias: added to the output.
+    parts: an axis of w; the tuple of the output's slices along it (`_prequantized_einsum` takes
+    each as a GEMM of its own)."""
     with jax.named_scope(name):
         if isinstance(w, Prequantized):
             if fp8:
-                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), x, *w, x_amax)
+                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), parts,
+                                            x, *w, x_amax, bias)
             w = w.w
         w = w.astype(x.dtype)
-        return fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
+        y = fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
+        y = y if bias is None else y + bias.astype(y.dtype)
+        if parts is None:
+            return y
+        _, wl, out = einsum_operands(spec)
+        axis = out.index(wl[parts])
+        return tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,

@@ -20,9 +20,10 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.activations import activate, activation_amax
-from jaxgpt.model.fp8 import Prequantized, PrequantizedFp32Grad, einsum_operands, linear, planned_dot, prequantize
+from jaxgpt.model.fp8 import (Prequantized, PrequantizedFp32Grad, einsum_operands, linear, planned_dot, prequantize,
+                              slice_spec)
 from jaxgpt.model.norm import normalize
-from jaxgpt.parallel.mesh import shard
+from jaxgpt.parallel.mesh import shard, splits
 
 STD = 0.02
 
@@ -76,48 +77,152 @@ def _read_copy_bwd(dtype, _, g):
 _read_copy.defvjp(_read_copy_fwd, _read_copy_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _precast_einsum(spec: str, w_dtype: jnp.dtype, x: jax.Array, w: jax.Array, c: jax.Array) -> jax.Array:
-    """einsum(spec, x, c), c being w cast to the compute dtype once per step (`Precast`); the
-    gradient goes to w, the parameter, in its own dtype.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int | None, x: jax.Array, w: jax.Array,
+                    c: jax.Array, b: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
+    """einsum(spec, x, c) (+ b), c being w cast to the compute dtype; the gradient goes to w, the
+    parameter, in its own dtype (w_dtype), and to the bias b.
 
-    The weight gradient's GEMM writes it in fp32, its accumulator's precision, where autodiff of
-    x @ c (`_read_copy`) rounds it to the compute dtype first: XLA:GPU then takes the train step's
-    sum over micro-batches into that GEMM (acc + x^T dy; jaxgpt/step.py sums these per layer)
-    instead of adding the bf16 gradient to the fp32 sum in a pass of its own. Only there: a
-    gradient that leaves the GEMM for a stack (scanned layers) or a reduce-scatter (fsdp) would
-    move twice the bytes (jaxgpt.config.weight_grads_summed_in_gemm)."""
-    return jnp.einsum(spec, x, c)
+    fp32_grad: the weight gradient's GEMM writes it in fp32, its accumulator's precision, where
+    autodiff of x @ c (`_read_copy`) rounds it to the compute dtype first: XLA:GPU then takes the
+    train step's sum over micro-batches into that GEMM (acc + x^T dy; jaxgpt/step.py sums these per
+    GEMM, `gemm_pieces`) instead of adding the bf16 gradient to the fp32 sum in a pass of its own.
+    Only there: a gradient that leaves the GEMM for a stack (scanned layers) or a reduce-scatter
+    (fsdp) would move twice the bytes (jaxgpt.config.weight_grads_summed_in_gemm).
+
+    parts: None, or an axis of w (and the leading axis of b) whose slices are GEMMs of their own,
+    `spec` being one slice's: the tuple of their outputs. Their weight gradients are joined along
+    that axis here, so that a piece of the joined gradient is one GEMM's output (a slice of autodiff's
+    sum of padded slices reads all of them).
+
+    b: added in the GEMM's epilogue. XLA:GPU fuses a bias into a Triton GEMM only where the dot
+    writes fp32 and the bias is an array of its own, one axis wide, on the output's last axis:
+    so the dot is taken over the weight's output axes flattened, and the bias (a slice of the
+    stacked parameters in the step) is made its own array behind an optimization barrier (a copy
+    of a few KB). A bias added after the GEMM costs a pass over its output, where nothing else
+    fuses it (the q, k and v GEMMs, whose outputs go to the attention kernel)."""
+    return _precast_fwd(spec, w_dtype, fp32_grad, parts, x, w, c, b)[0]
 
 
-def _precast_fwd(spec, w_dtype, x, w, c):
-    return jnp.einsum(spec, x, c), (x, c)
+def _slices(c: jax.Array, b: jax.Array | None, parts: int | None) -> list:
+    if parts is None:
+        return [(c, b)]
+    return [(jax.lax.index_in_dim(c, i, parts, keepdims=False), None if b is None else b[i])
+            for i in range(c.shape[parts])]
 
 
-def _precast_bwd(spec, w_dtype, residuals, dy):
-    x, c = residuals
-    a, b, out = einsum_operands(spec)
-    dx = planned_dot(f"{out},{b}->{a}", dy, c)  # jnp.einsum's own order transposed QKV's gradient (+60 ms)
-    dw = planned_dot(f"{a},{out}->{b}", x, dy, jnp.float32)
-    return dx, dw.astype(w_dtype), None
+def _biased_einsum(spec: str, x: jax.Array, c: jax.Array, b: jax.Array | None) -> jax.Array:
+    if b is None:
+        return jnp.einsum(spec, x, c)
+    a, wl, out = einsum_operands(spec)
+    k = len(wl) - b.ndim  # the contracted axes lead the weight; the bias's are its output axes, last
+    if out != a[:-k] + wl[k:] or a[-k:] != wl[:k]:
+        raise ValueError(f"a bias in the GEMM's epilogue needs a '...c,cf->...f'-shaped spec, got {spec!r}")
+    y = jnp.einsum("...k,kf->...f", x.reshape(*x.shape[:-k], -1), c.reshape(math.prod(c.shape[:k]), -1),
+                   preferred_element_type=jnp.float32)
+    y = (y + jax.lax.optimization_barrier(b.astype(jnp.float32).reshape(-1))).astype(x.dtype)
+    return y.reshape(*x.shape[:-k], *b.shape)
+
+
+def _precast_fwd(spec, w_dtype, fp32_grad, parts, x, w, c, b=None):
+    ys = []
+    for c_i, b_i in _slices(c, b, parts):
+        # each part's GEMM after the one before: XLA:GPU's dot merger otherwise joins small ones
+        # (gpt2-124m's on 8 GPUs) into one GEMM that writes [rows, 3D] in fp32 for a pass to split
+        x_i = jax.lax.optimization_barrier((x, ys[-1]))[0] if ys else x
+        ys.append(_biased_einsum(spec, x_i, c_i, b_i))
+    return tuple(ys) if parts is not None else ys[0], (x, c, b)
+
+
+def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
+    x, c, b = residuals
+    a, wl, out = einsum_operands(spec)
+    dx, dws, dbs = None, [], []
+    for (c_i, b_i), dy_i in zip(_slices(c, b, parts), dy if parts is not None else (dy,), strict=True):
+        dx_i = planned_dot(f"{out},{wl}->{a}", dy_i, c_i)  # jnp.einsum's own order transposed QKV's gradient (+60 ms)
+        dx = dx_i if dx is None else dx + dx_i
+        dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
+        if b is not None:
+            dbs.append(jnp.sum(dy_i.astype(jnp.float32), axis=tuple(range(dy_i.ndim - b_i.ndim))))
+    dw = dws[0] if parts is None else jnp.stack(dws, parts)
+    db = None if b is None else (dbs[0] if parts is None else jnp.stack(dbs)).astype(b.dtype)
+    return dx, dw.astype(w_dtype), None, db
 
 
 _precast_einsum.defvjp(_precast_fwd, _precast_bwd)
 
 
-def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool,
-          x_amax: jax.Array | None = None) -> jax.Array:
+def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_amax: jax.Array | None = None,
+          *, bias: nnx.Param | None = None, split: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
     under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element).
     The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`), or
-    its `Precast` copy in the compute dtype (`precast_weights`)."""
-    w = kernel.get_value()
-    if isinstance(w, PrecastFp32Grad):  # a kind not in fp8 (copies_once_per_step)
+    its `Precast` copy in the compute dtype (`precast_weights`).
+
+    bias: added to the output, in the GEMM's epilogue (`_precast_einsum`; fp8: cuBLASLt's, where
+    the weight is `Prequantized`). split: the tuple of the outputs of the weight's slices along its
+    'qkv' axis (attention's q, k and v), each a GEMM of its own that writes its slice as the
+    attention kernel reads it (fp8: the forward's). One GEMM, sliced after, under fsdp
+    (`_slices_apart`) and where fp8 quantizes the weight in the loop (a pipeline's)."""
+    if split and not _slices_apart():
+        y = add_bias(dense(name, spec, x, kernel, fp8, x_amax), bias)
+        _, wl, out = einsum_operands(spec)
+        axis = out.index(wl[kernel.logical_axes.index("qkv")])
+        return tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
+    w, axes = kernel.get_value(), kernel.logical_axes
+    b = None if bias is None else bias[...]
+    parts = axes.index("qkv") if split else None
+    if isinstance(w, Prequantized) and not fp8:
+        w = w.w
+    if not fp8 and (b is not None or split or isinstance(w, PrecastFp32Grad)):
+        w_, c = (w.w, w.c) if isinstance(w, Precast) else (w, w.astype(x.dtype))
         with jax.named_scope(name):
-            return _precast_einsum(spec, jnp.dtype(w.w.dtype), x, w.w, w.c)
+            return _precast_einsum(spec if parts is None else slice_spec(spec, parts), jnp.dtype(w_.dtype),
+                                   isinstance(w, PrecastFp32Grad), parts, x, w_, c, b)
     if isinstance(w, Precast):
         w = _read_copy(jnp.dtype(w.w.dtype), w.w, w.c)
-    return linear(name, spec, x, w, fp8, kernel.logical_axes, x_amax)
+    return linear(name, spec, x, w, fp8, axes, x_amax, parts=parts, bias=b)
+
+
+def _slices_apart() -> bool:
+    """Whether `dense`'s split takes each slice of a fused weight as a GEMM of its own: not where fsdp
+    splits the weights. There it is one GEMM, sliced after: each slice's GEMM gathered its own
+    slice, and the backward the whole weight again (gpt2-1.3b on 8 H100s, fsdp=8: 677.3 -> 697.9
+    ms a step predicted)."""
+    return splits("embed") == 1
+
+
+def _pieces(stacked: jax.Array, axes: tuple, parts: bool) -> tuple:
+    """A stacked block weight [L, ...] (or its gradient or copy; `axes` its logical axes) as a
+    tuple of its L layers, each a tuple of its slices along 'qkv' where `parts`: the arrays its
+    GEMMs read or write, where each slice is a GEMM of its own (`dense`'s split)."""
+    if not parts:
+        return tuple(stacked)
+    axis = axes.index("qkv") - 1
+    return tuple(tuple(jnp.moveaxis(layer, axis, 0)) for layer in stacked)
+
+
+def _joined(pieces: tuple, axes: tuple) -> jax.Array:
+    """`_pieces`' inverse: the stacked array again."""
+    if isinstance(pieces[0], tuple):
+        axis = axes.index("qkv") - 1
+        return jnp.stack([jnp.stack(parts, axis) for parts in pieces])
+    return jnp.stack(pieces)
+
+
+def gemm_pieces(g: jax.Array, copy: Precast | Prequantized | None, axes: tuple) -> jax.Array | tuple:
+    """A block weight's stacked gradient [L, ...] as its GEMMs write it, where they write it in
+    fp32 (`copy`, its copy once per step, a *Fp32Grad; `_pieces`). The train step sums these pieces
+    over micro-batches, so that XLA:GPU takes each sum into the GEMM that writes the piece
+    (jaxgpt/step.py). g itself for the other weights."""
+    if not isinstance(copy, PrecastFp32Grad | PrequantizedFp32Grad):
+        return g
+    return _pieces(g, axes, isinstance(copy, PrecastFp32Grad) and "qkv" in axes)
+
+
+def from_gemm_pieces(pieces: jax.Array | tuple, axes: tuple) -> jax.Array:
+    """`gemm_pieces`' inverse: the stacked gradient again."""
+    return _joined(pieces, axes) if isinstance(pieces, tuple) else pieces
 
 
 # A dense model's block linears: where each weight sits in its params['blocks'] dict, its kind
@@ -148,8 +253,18 @@ def prequantize_weights(blocks: dict, axes: dict, kinds: frozenset[str], dtype: 
             stacked = sum(a in ("layers", "sublayers") for a in w_axes)
             p = prequantize(blocks[module][name], stacked, contracted, dtype, w_axes)
             p = PrequantizedFp32Grad(*p) if fp32_grads else p
-            out.setdefault(module, {})[name] = p._replace(q=tuple(p.q), q_t=_layers(p.q_t)) if unrolled else p
+            if unrolled:  # q_t also in q, k and v's slices (`_pieces`): each the forward GEMM's own array
+                q_t = None if p.q_t is None else _pieces(p.q_t, _transposed_axes(w_axes, contracted),
+                                                         "qkv" in w_axes and _slices_apart())
+                p = p._replace(q=tuple(p.q), q_t=q_t)
+            out.setdefault(module, {})[name] = p
     return out
+
+
+def _transposed_axes(axes: tuple, contracted: int) -> tuple:
+    """A stacked weight's logical axes -> its `Prequantized.q_t`'s: the contracted ones moved last."""
+    stacked = sum(a in ("layers", "sublayers") for a in axes)
+    return axes[:stacked] + axes[stacked + contracted:] + axes[stacked:stacked + contracted]
 
 
 def precast_weights(blocks: dict, axes: dict, skip: frozenset[str], dtype: jnp.dtype, *, unrolled: bool,
@@ -158,15 +273,18 @@ def precast_weights(blocks: dict, axes: dict, skip: frozenset[str], dtype: jnp.d
     fp8 ones, which `prequantize_weights` copies): each weight cast to the compute dtype once per
     optimizer step, before the micro-batch loop, instead of in every micro-batch (gpt2-1.3b's 16
     micro-batches on one H100 each cast and sliced all 24 layers' fp32 weights: 44.6 ms a step
-    predicted). Per-layer tuples where the layers are unrolled, as `prequantize_weights` keeps them.
+    predicted). Where the layers are unrolled, per-layer tuples, as `prequantize_weights` keeps them,
+    and q, k and v's slices of each layer's (`_pieces`): each is its GEMM's own array then, where a
+    slice taken in the loop was copied every micro-batch (gpt2-1.3b: 12 ms a step predicted).
     fp32_grads: `PrecastFp32Grad`s, whose gradient GEMMs write fp32 (where the train step sums them
     in the GEMM, jaxgpt.config.weight_grads_summed_in_gemm)."""
     out: dict = {}
     for (module, name), (kind, _) in LINEAR_WEIGHTS.items():
         if kind not in skip and name in blocks.get(module, {}):
-            c = shard(blocks[module][name].astype(dtype), *axes[module][name])
+            w_axes = axes[module][name]
+            c = shard(blocks[module][name].astype(dtype), *w_axes)
             out.setdefault(module, {})[name] = (PrecastFp32Grad if fp32_grads else Precast)(
-                None, tuple(c) if unrolled else c)
+                None, _pieces(c, w_axes, "qkv" in w_axes and _slices_apart()) if unrolled else c)
     return out
 
 
@@ -184,30 +302,27 @@ def copies_once_per_step(blocks: dict, axes: dict, fp8_kinds: frozenset[str], dt
     return out
 
 
-def _layers(x: jax.Array | None) -> tuple | None:
-    return None if x is None else tuple(x)
-
-
-def _stacked(x: tuple | None) -> jax.Array | None:
-    return None if x is None else jnp.stack(x)
-
-
-def with_prequantized(params: dict, prequantized: dict | None) -> dict:
+def with_prequantized(params: dict, prequantized: dict | None, axes: dict | None) -> dict:
     """params with the weights `copies_once_per_step` made copies of replaced by those copies
     (stacked again where they came per layer), each around the weight in `params` itself: the
-    gradient is taken w.r.t. that one."""
+    gradient is taken w.r.t. that one. `axes`: the logical axes of params['blocks']."""
     if not prequantized:
         return params
     blocks = dict(params["blocks"])
     for module, weights in prequantized.items():
-        blocks[module] = {**blocks[module], **{name: _around(p, blocks[module][name]) for name, p in weights.items()}}
+        blocks[module] = {**blocks[module], **{name: _around(p, blocks[module][name], axes[module][name],
+                                                             LINEAR_WEIGHTS[module, name][1])
+                                               for name, p in weights.items()}}
     return {**params, "blocks": blocks}
 
 
-def _around(p: Prequantized | Precast, w: jax.Array) -> Prequantized | Precast:
+def _around(p: Prequantized | Precast, w: jax.Array, axes: tuple, contracted: int) -> Prequantized | Precast:
     if isinstance(p, Precast):
-        return p._replace(w=w, c=jnp.stack(p.c) if isinstance(p.c, tuple) else p.c)
-    return p._replace(w=w, **({"q": jnp.stack(p.q), "q_t": _stacked(p.q_t)} if isinstance(p.q, tuple) else {}))
+        return p._replace(w=w, c=_joined(p.c, axes) if isinstance(p.c, tuple) else p.c)
+    if not isinstance(p.q, tuple):
+        return p._replace(w=w)
+    q_t = None if p.q_t is None else _joined(p.q_t, _transposed_axes(axes, contracted))
+    return p._replace(w=w, q=jnp.stack(p.q), q_t=q_t)
 
 
 def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
