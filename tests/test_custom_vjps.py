@@ -175,8 +175,8 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
     def run(x, w, b, dy):
         ours = jax.vjp(lambda x, w, b: _precast_einsum("btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w,
                                                        w.astype(jnp.bfloat16), b), x, w, b)
-        fused = lambda x, w, b: jnp.einsum("btd,dshk->btshk", x, w.astype(jnp.bfloat16)) + b.astype(jnp.bfloat16)  # noqa: E731
-        ref = jax.vjp(fused, x, w, b)
+        ref = jax.vjp(lambda x, w, b: jnp.einsum("btd,dshk->btshk", x, w.astype(jnp.bfloat16)) + b.astype(jnp.bfloat16),
+                      x, w, b)
         dy_BT3HK = jnp.stack(dy, axis=2)
         x32, w32, dy32 = x.astype(jnp.float32), w.astype(jnp.bfloat16).astype(jnp.float32), dy_BT3HK.astype(jnp.float32)
         exact = (jnp.einsum("btd,dshk->btshk", x32, w32, precision=hi) + b,
@@ -184,8 +184,11 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
                  jnp.einsum("btd,btshk->dshk", x32, dy32, precision=hi), dy32.sum((0, 1)))
         return ours[0], ours[1](dy), ref[0], ref[1](dy_BT3HK), exact
 
-    ys, (dx, dw, db), y_ref, (dx_ref, dw_ref, db_ref), (y_exact, dx_exact, dw_exact, db_exact) = run(x, w, b, dy)
-    ulp = lambda a: 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)  # noqa: E731  bf16's spacing at |a|
+    ys, (dx, dw, db), y_ref, (_, dw_ref, _), (y_exact, dx_exact, dw_exact, db_exact) = run(x, w, b, dy)
+
+    def ulp(a):  # bf16's spacing at |a|
+        return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)
+
     for i, y in enumerate(ys):
         assert y.shape == y_ref[:, :, i].shape and y.dtype == jnp.bfloat16
         exact_i = np.asarray(y_exact[:, :, i])

@@ -348,7 +348,7 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
 
 def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
     *residuals, b = residuals
-    a, wl, out = einsum_operands(spec)
+    _, wl, out = einsum_operands(spec)
     if parts is not None:  # joined as autodiff joins slices' gradients (padded and added): XLA:GPU
         # then takes the amax and the bias's gradient in the kernel that joins them (a concatenate: two)
         axis, n = out.index(wl[parts]), len(dy)
