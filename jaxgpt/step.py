@@ -332,11 +332,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         axes = setup.logical_axes.get("blocks", {})  # a dense model's (copies are made only for those)
 
         def split(grads: dict) -> dict:
-            if not copies:
-                return grads
-            return {**grads, "blocks": {module: {name: gemm_pieces(g, copies.get(module, {}).get(name), axes[module][name])
-                                                 for name, g in weights.items()}
-                                        for module, weights in grads["blocks"].items()}}
+            return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes)} if copies else grads
 
         def accumulate(carry, micro_BT1):
             metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies)
@@ -348,8 +344,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                       split(jax.tree.map(lambda p: jnp.zeros(p.shape, p.dtype), params))))
         metrics, grads = jax.lax.scan(accumulate, zeros, micro_ABT1)[0]
         if copies:
-            grads = {**grads, "blocks": {module: {name: from_gemm_pieces(g, axes[module][name]) for name, g in weights.items()}
-                                         for module, weights in grads["blocks"].items()}}
+            grads = {**grads, "blocks": from_gemm_pieces(grads["blocks"], axes)}
         return metrics, grads
 
     def mean_grads(params: dict, bias, batch_BT1: jax.Array) -> tuple[dict, dict]:

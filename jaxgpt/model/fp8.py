@@ -178,6 +178,19 @@ def slice_spec(spec: str, axis: int) -> str:
     return f"{a},{b.replace(b[axis], '')}->{out.replace(b[axis], '')}"
 
 
+def output_slices(y: jax.Array, spec: str, axis: int) -> tuple[jax.Array, ...]:
+    """einsum(spec)'s output y as the outputs of the weight's slices along its `axis`."""
+    _, b, out = einsum_operands(spec)
+    at = out.index(b[axis])
+    return tuple(jax.lax.index_in_dim(y, i, at, keepdims=False) for i in range(y.shape[at]))
+
+
+def _bias_rows(spec: str) -> tuple[int, ...]:
+    """The output's axes that are not the weight's: those a linear layer's bias gradient sums."""
+    _, b, out = einsum_operands(spec)
+    return tuple(i for i, c in enumerate(out) if c not in b)
+
+
 @functools.cache
 def _dot_plan(spec: str) -> tuple[tuple, tuple[int, ...]]:
     """dot_general's dimension numbers for a two-operand einsum, and the transpose to its output."""
@@ -232,8 +245,7 @@ def _forward(spec, w_axes, x, w, x_amax=None):
 def _backward(spec, w_axes, residuals, dy, dw_dtype=None):
     x_q, sx, w_q, sw = residuals
     a, b, out = einsum_operands(spec)
-    rows = tuple(i for i, c in enumerate(out) if c not in b)  # dy's axes that a bias gradient sums
-    dy_q, sdy = quantize(dy, E5M2, pin=True, rows=rows)
+    dy_q, sdy = quantize(dy, E5M2, pin=True, rows=_bias_rows(spec))
     dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=True)
     dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dw_dtype or dy.dtype)
     return dx, dw
@@ -321,10 +333,7 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
         y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
             scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
         y = y if b is None else y + b.astype(y.dtype)
-        if parts is not None:
-            _, wl, out = einsum_operands(spec)
-            axis = out.index(wl[parts])
-            y = tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
+        y = y if parts is None else output_slices(y, spec, parts)
     else:
         # each slice's GEMM as [rows, K] x [K, F] (its output axes flattened): cuBLASLt then takes
         # the rescale into its alpha and the bias into its epilogue; over [B, T, H, K] XLA:GPU
@@ -356,8 +365,7 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
                              [(i if d == axis else 0, n - 1 - i if d == axis else 0, 0) for d in range(g.ndim + 1)])
                  for i, g in enumerate(dy))
     dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
-    rows = tuple(i for i, c in enumerate(out) if c not in wl)
-    db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=rows).astype(b.dtype)
+    db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=_bias_rows(spec)).astype(b.dtype)
     return dx, dw.astype(w_dtype), None, None, None, None, db  # q, q_t, scale, x_amax: made outside the gradient
 
 
@@ -385,11 +393,7 @@ def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: 
         w = w.astype(x.dtype)
         y = fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
         y = y if bias is None else y + bias.astype(y.dtype)
-        if parts is None:
-            return y
-        _, wl, out = einsum_operands(spec)
-        axis = out.index(wl[parts])
-        return tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
+        return y if parts is None else output_slices(y, spec, parts)
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,

@@ -20,8 +20,8 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model.activations import activate, activation_amax
-from jaxgpt.model.fp8 import (Prequantized, PrequantizedFp32Grad, einsum_operands, linear, planned_dot, prequantize,
-                              slice_spec)
+from jaxgpt.model.fp8 import (Prequantized, PrequantizedFp32Grad, einsum_operands, linear, output_slices, planned_dot,
+                              prequantize, slice_spec)
 from jaxgpt.model.norm import normalize
 from jaxgpt.parallel.mesh import shard, splits
 
@@ -165,10 +165,8 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_am
     attention kernel reads it (fp8: the forward's). One GEMM, sliced after, under fsdp
     (`_slices_apart`) and where fp8 quantizes the weight in the loop (a pipeline's)."""
     if split and not _slices_apart():
-        y = add_bias(dense(name, spec, x, kernel, fp8, x_amax), bias)
-        _, wl, out = einsum_operands(spec)
-        axis = out.index(wl[kernel.logical_axes.index("qkv")])
-        return tuple(jax.lax.index_in_dim(y, i, axis, keepdims=False) for i in range(y.shape[axis]))
+        return output_slices(add_bias(dense(name, spec, x, kernel, fp8, x_amax), bias), spec,
+                             kernel.logical_axes.index("qkv"))
     w, axes = kernel.get_value(), kernel.logical_axes
     b = None if bias is None else bias[...]
     parts = axes.index("qkv") if split else None
@@ -210,19 +208,25 @@ def _joined(pieces: tuple, axes: tuple) -> jax.Array:
     return jnp.stack(pieces)
 
 
-def gemm_pieces(g: jax.Array, copy: Precast | Prequantized | None, axes: tuple) -> jax.Array | tuple:
-    """A block weight's stacked gradient [L, ...] as its GEMMs write it, where they write it in
-    fp32 (`copy`, its copy once per step, a *Fp32Grad; `_pieces`). The train step sums these pieces
-    over micro-batches, so that XLA:GPU takes each sum into the GEMM that writes the piece
-    (jaxgpt/step.py). g itself for the other weights."""
-    if not isinstance(copy, PrecastFp32Grad | PrequantizedFp32Grad):
-        return g
-    return _pieces(g, axes, isinstance(copy, PrecastFp32Grad) and "qkv" in axes)
+def gemm_pieces(grads: dict, copies: dict, axes: dict) -> dict:
+    """A dense model's block gradients (params['blocks']'s tree) as their GEMMs write them, where
+    they write them in fp32 (the weight's copy once per step, in `copies`, a *Fp32Grad; `_pieces`):
+    the train step sums these pieces over micro-batches, so that XLA:GPU takes each sum into the
+    GEMM that writes the piece (jaxgpt/step.py). The other gradients as they are. `axes`: the
+    blocks' logical axes."""
+    def pieces(module: str, name: str, g):
+        copy = copies.get(module, {}).get(name)
+        if not isinstance(copy, PrecastFp32Grad | PrequantizedFp32Grad):
+            return g
+        w_axes = axes[module][name]
+        return _pieces(g, w_axes, isinstance(copy, PrecastFp32Grad) and "qkv" in w_axes)
+    return {module: {name: pieces(module, name, g) for name, g in weights.items()} for module, weights in grads.items()}
 
 
-def from_gemm_pieces(pieces: jax.Array | tuple, axes: tuple) -> jax.Array:
-    """`gemm_pieces`' inverse: the stacked gradient again."""
-    return _joined(pieces, axes) if isinstance(pieces, tuple) else pieces
+def from_gemm_pieces(grads: dict, axes: dict) -> dict:
+    """`gemm_pieces`' inverse: the stacked gradients again."""
+    return {module: {name: _joined(g, axes[module][name]) if isinstance(g, tuple) else g for name, g in weights.items()}
+            for module, weights in grads.items()}
 
 
 # A dense model's block linears: where each weight sits in its params['blocks'] dict, its kind
