@@ -30,11 +30,13 @@ NORM_CASES = [(False, True, True, (64, 48)), (False, False, False, (4, 16, 48)),
               (True, True, False, (2, 8, 4, 16))]  # qk-norm: RMS over the head dim of [B, T, H, K]
 
 
+@pytest.mark.parametrize("keep_stats", [False, True], ids=["recomputed", "kept"])
 @pytest.mark.parametrize("rms,with_scale,with_bias,shape", NORM_CASES)
-def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, shape):
+def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, shape, keep_stats):
     """fp32: values to 1e-6, gradients of x, scale and bias to 1e-5 of autodiff's (rows offset by 3
     and scaled by 4, so the mean matters); bf16 x: y and dx come back in bf16, within bf16's
-    rounding of the fp32 gradient."""
+    rounding of the fp32 gradient. With the statistics recomputed in the backward (the default) and
+    kept from the forward (under fsdp, or before an fp8 GEMM)."""
     k = jax.random.split(jax.random.key(0), 4)
     D = shape[-1]
     x = 4 * jax.random.normal(k[0], shape) + 3
@@ -47,11 +49,14 @@ def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, sha
         def loss(fn, x, scale, bias):
             return jnp.sum(fn(x, scale, bias, rms).astype(jnp.float32) * w)
 
+        def ours(x, scale, bias, rms):
+            return normalize(x, scale, bias, rms, keep_stats)
+
         x16 = x.astype(jnp.bfloat16)
-        return (normalize(x, scale, bias, rms), _reference_norm(x, scale, bias, rms),
-                jax.value_and_grad(loss, argnums=(1, 2, 3))(normalize, x, scale, bias),
+        return (ours(x, scale, bias, rms), _reference_norm(x, scale, bias, rms),
+                jax.value_and_grad(loss, argnums=(1, 2, 3))(ours, x, scale, bias),
                 jax.value_and_grad(loss, argnums=(1, 2, 3))(_reference_norm, x, scale, bias),
-                normalize(x16, scale, bias, rms), jax.grad(loss, argnums=1)(normalize, x16, scale, bias),
+                ours(x16, scale, bias, rms), jax.grad(loss, argnums=1)(ours, x16, scale, bias),
                 jax.grad(loss, argnums=1)(_reference_norm, x16.astype(jnp.float32), scale, bias))
 
     y, y_ref, (ours, ours_grads), (ref, ref_grads), y16, dx16, dx32 = run(x, scale, bias)
@@ -65,6 +70,28 @@ def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, sha
     assert y16.dtype == dx16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(dx16, np.float32), dx32, rtol=2.0 ** -7, atol=2.0 ** -7 * float(
         jnp.abs(dx32).max()))
+
+
+@pytest.mark.parametrize("offset,spread", [(1000.0, 0.01), (-5e4, 1.0)])
+def test_recomputed_layernorm_statistics_hold_where_the_mean_dwarfs_the_spread(offset, spread):
+    """model/norm.py's backward recomputes each row's statistics in one pass (sums of x, x^2, g and
+    g x): taken of x - x[..., :1] and never through the mean, they stay at fp32's accuracy against
+    float64 where a row's mean is 1e5 times its spread, 1e-6 of the largest gradient. Unshifted,
+    E[x^2] - E[x]^2 cancels to garbage there; through the fp32 mean, as autodiff and the kept
+    statistics go, x - mean carries the mean's rounding, ~4e-3 of dscale here."""
+    k = jax.random.split(jax.random.key(0), 4)
+    x = spread * jax.random.normal(k[0], (64, 768)) + offset
+    scale, bias = 1 + 0.1 * jax.random.normal(k[1], (768,)), 0.1 * jax.random.normal(k[2], (768,))
+    w = jax.random.normal(k[3], (64, 768))
+    grads = jax.jit(jax.grad(lambda x, s, b: jnp.sum(normalize(x, s, b, False) * w), (0, 1, 2)))(x, scale, bias)
+    x64, s64, w64 = (np.asarray(a, np.float64) for a in (x, scale, w))
+    mean = x64.mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(((x64 - mean) ** 2).mean(-1, keepdims=True) + 1e-5)
+    xhat, gs = (x64 - mean) * rstd, w64 * s64
+    exact = (rstd * (gs - gs.mean(-1, keepdims=True) - xhat * (gs * xhat).mean(-1, keepdims=True)),
+             (w64 * xhat).sum(0), w64.sum(0))
+    for got, want in zip(grads, exact):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=0, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", ["relu2", "swiglu"])
@@ -157,7 +184,7 @@ def test_precast_linear_matches_autodiff_with_an_fp32_weight_gradient(spec, x_sh
 @pytest.mark.parametrize("fp32_grad", [False, True], ids=["bf16_dw", "fp32_dw"])
 def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_projection(fp32_grad):
     """model/layers.py `_precast_einsum` with parts (attention's q, k and v as a GEMM each on its
-    slice of c_attn [D, 3, H, K]) and a bias (added to the fp32 dot, then rounded once) against
+    slice of c_attn [D, 3, H, K]) and their biases (added to the fp32 dot, then rounded once) against
     autodiff of the one fused GEMM plus the bias in bf16 (GPT-2's qkv before issue 40's split).
     Against the exact fp32 values: q, k and v within bf16's half ulp (one rounding, where the fused
     GEMM rounded twice); dx within 3 ulps (three GEMMs' bf16 sums); the weight gradient as
@@ -174,7 +201,7 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
     @jax.jit
     def run(x, w, b, dy):
         ours = jax.vjp(lambda x, w, b: _precast_einsum("btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w,
-                                                       w.astype(jnp.bfloat16), b), x, w, b)
+                                                       w.astype(jnp.bfloat16), tuple(b)), x, w, b)
         ref = jax.vjp(lambda x, w, b: jnp.einsum("btd,dshk->btshk", x, w.astype(jnp.bfloat16)) + b.astype(jnp.bfloat16),
                       x, w, b)
         dy_BT3HK = jnp.stack(dy, axis=2)
@@ -185,6 +212,10 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
         return ours[0], ours[1](dy), ref[0], ref[1](dy_BT3HK), exact
 
     ys, (dx, dw, db), y_ref, (_, dw_ref, _), (y_exact, dx_exact, dw_exact, db_exact) = run(x, w, b, dy)
+    # q's bias alone (attention's k and v GEMMs add none, model/attention.py `_qkv`): the same bias gradient
+    q_only = jax.jit(lambda x, w, b, dy: jax.vjp(lambda x, w, b: _precast_einsum(
+        "btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w, w.astype(jnp.bfloat16), (b, None, None)), x, w, b)[1](dy))
+    np.testing.assert_array_equal(q_only(x, w, b[0], dy)[2], db[0])
 
     def ulp(a):  # bf16's spacing at |a|
         return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(a), 1e-30))) - 7)
@@ -194,6 +225,7 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
         exact_i = np.asarray(y_exact[:, :, i])
         assert np.all(np.abs(np.asarray(y, np.float32) - exact_i) <= 0.5 * ulp(exact_i) + 1e-7)
     np.testing.assert_allclose(np.asarray(dx, np.float32), dx_exact, rtol=0, atol=3 * float(ulp(np.abs(dx_exact).max())))
+    db = jnp.stack(db)
     assert dw.shape == w.shape and dw.dtype == jnp.float32 and db.shape == b.shape and db.dtype == jnp.float32
     scale = float(jnp.abs(dw_exact).max())
     if fp32_grad:

@@ -56,7 +56,7 @@ from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model import flash
 from jaxgpt.model.documents import Documents, packed_segments, visible
-from jaxgpt.model.layers import STD, Norm, add_bias, compute_dtype, dense, param
+from jaxgpt.model.layers import STD, Norm, compute_dtype, dense, gemm_epilogues, param, project_out
 from jaxgpt.model.positions import rope
 from jaxgpt.parallel.context import ways as cp_ways
 from jaxgpt.parallel.manual import per_shard
@@ -258,36 +258,59 @@ class Attention(nnx.Module):
             self.q_bias = param(rngs, (H, K), ("heads", "head_dim"), None) if bias else None
             self.kv_kernel = param(rngs, (D, 2, G, K), ("embed", "qkv", "kv_heads", "head_dim"), STD)
             self.kv_bias = param(rngs, (2, G, K), ("qkv", "kv_heads", "head_dim"), None) if bias else None
-        self.grouped = G != H
+        self.grouped, self.heads = G != H, H
         if cfg.qk_norm:
             self.q_norm = Norm(cfg, K, rngs, axis="head_dim", rms=True)
             self.k_norm = Norm(cfg, K, rngs, axis="head_dim", rms=True)
         self.qk_norm = cfg.qk_norm
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
+        self.k_bias_cancels = not cfg.qk_norm and cfg.position != "rope"  # `_qkv`
+        self.fp8_qkv_or_out = bool({"qkv", "attn_out"} & cfg.fp8_linears())
         self.c_proj_kernel = param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if bias else None
         self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim, cfg.document_mask)
         self.fp8 = cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
         self.position_reset, self.max_documents = cfg.position_reset, cfg.max_documents
 
-    def _qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q [B, T, H, K], k and v [B, T, G, K], all named qkv. The weights are fused (multi-head:
-        c_attn [D, 3, H, K]; grouped: q [D, H, K] and kv [D, 2, G, K]); each of q, k and v is a
-        GEMM of its own on its slice, writing its output as the attention kernel reads it, with the
-        bias in its epilogue (`dense`'s split and bias). One GEMM for all three wrote [B, T, 3, H,
-        K]: splitting it (with the bias) copied q, k and v once more, and joining their gradients
-        for its backward GEMMs copied them again (gpt2-124m on one H100, 981.8 -> 956.6 ms a step
-        predicted; gpt2-1.3b 4,037.5 -> 3,970.2; in fp8 942.8 -> 923.0 and 3,182.1 -> 3,125.8;
-        jaxgpt.plan --target h100). In fp8 the backward still joins them: the kernel that does
-        takes their amax and the bias's gradient too."""
+    def _qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, ...]:
+        """q [B, T, H, K], k and v [B, T, G, K], all named qkv, and v's bias [H, K] (or None), which
+        the caller folds into attn_out's. The weights are fused (multi-head: c_attn [D, 3, H, K];
+        grouped: q [D, H, K] and kv [D, 2, G, K]); each of q, k and v is a GEMM of its own on its
+        slice, writing its output as the attention kernel reads it, with the bias in its epilogue
+        (`dense`'s split and bias). One GEMM for all three wrote [B, T, 3, H, K]: splitting it (with
+        the bias) copied q, k and v once more, and joining their gradients for its backward GEMMs
+        copied them again (gpt2-124m on one H100, 981.8 -> 956.6 ms a step predicted; gpt2-1.3b
+        4,037.5 -> 3,970.2; in fp8 942.8 -> 923.0 and 3,182.1 -> 3,125.8; jaxgpt.plan --target
+        h100). In fp8 the backward still joins them: the kernel that does takes their amax and the
+        bias's gradient too.
+
+        Where `gemm_epilogues`, only q's GEMM adds a bias. k's adds q . b_k to all of a query's scores alike, which softmax
+        ignores (not with rope or qk-norm, which make it differ by key); each softmax row sums to 1,
+        so v's adds b_v to every output row, b_v W_o after attn_out, which goes into its bias (`__call__`).
+        Their gradients are then exact (k's zero, v's a GEMV of attn_out's bias gradient), where each
+        was a pass of its own over a [rows, D] gradient (gpt2-124m on one H100: 934.9 -> 926.9 ms a
+        step predicted; gpt2-1.3b 3,906.4 -> 3,892.6)."""
         fp8 = "qkv" in self.fp8
+        drop = gemm_epilogues(self.fp8_qkv_or_out)  # k's and v's biases go (below)
         if not self.grouped:
-            q_BTHK, k_BTGK, v_BTGK = dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, fp8,
-                                           bias=self.c_attn_bias, split=True)
+            b = self.c_attn_bias
+            b_q, b_k, b_v = (None, None, None) if b is None else tuple(b[...])
+            if drop:
+                b_k, b_v, v_bias = None if self.k_bias_cancels else b_k, None, b_v
+            q_BTHK, k_BTGK, v_BTGK = dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, fp8, split=True,
+                                           bias=None if b is None else (b_q, b_k, b_v))
         else:
             q_BTHK = dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, fp8, bias=self.q_bias)
-            k_BTGK, v_BTGK = dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, fp8, bias=self.kv_bias, split=True)
-        return tuple(shard(y, "batch", "seq", "act_heads", None) for y in (q_BTHK, k_BTGK, v_BTGK))
+            b = self.kv_bias
+            b_k, b_v = (None, None) if b is None else tuple(b[...])
+            if drop:  # head h reads group h // (H/G)
+                v_bias = None if b_v is None else jnp.repeat(b_v, self.heads // b_v.shape[0], axis=0)
+                b_k, b_v = None if self.k_bias_cancels else b_k, None
+            k_BTGK, v_BTGK = dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, fp8, split=True,
+                                   bias=None if b is None else (b_k, b_v))
+        if not drop:
+            v_bias = None
+        return (*(shard(y, "batch", "seq", "act_heads", None) for y in (q_BTHK, k_BTGK, v_BTGK)), v_bias)
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
                  docs: Documents | None = None):
@@ -295,7 +318,7 @@ class Attention(nnx.Module):
         to the cache [B, S, G, K] updated with their own keys/values; returns (y, new kv).
         `docs` (model.document_mask): each position sees only its own document."""
         dt = x_BTD.dtype
-        q_BTHK, k_BTGK, v_BTGK = self._qkv(x_BTD)
+        q_BTHK, k_BTGK, v_BTGK, v_bias_HK = self._qkv(x_BTD)
         if self.qk_norm:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope_theta is not None:
@@ -318,6 +341,6 @@ class Attention(nnx.Module):
             out_BTHK = jax.nn.dot_product_attention(q_BTHK, k_BSGK.astype(dt), v_BSGK.astype(dt),
                                                     mask=visible_B1TS, implementation="xla")
             kv = KV(k_BSGK, v_BSGK)
-        y_BTD = dense("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, "attn_out" in self.fp8)
-        y_BTD = add_bias(y_BTD, self.c_proj_bias)
+        y_BTD = project_out("attn_out", "bthk,hkd->btd", out_BTHK, self.c_proj_kernel, "attn_out" in self.fp8,
+                            self.c_proj_bias, in_bias=v_bias_HK)
         return y_BTD if kv is None else (y_BTD, kv)

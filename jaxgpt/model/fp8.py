@@ -320,8 +320,8 @@ def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: 
 
     parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (attention's
     q, k and v), the tuple of their outputs: each GEMM writes its slice as the attention kernel
-    reads it, with the rescale in cuBLASLt's alpha and the bias b (its leading axis the slices') in
-    its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of its own.
+    reads it, with the rescale in cuBLASLt's alpha and its bias (b: the tuple of the slices', any
+    None) in its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of its own.
     The backward joins the slices' gradients (the kernel that takes their amax and the bias's
     gradient) for one e5m2 cast and the weight's two gradient GEMMs, as before."""
     return _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax, b)[0]
@@ -332,8 +332,7 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
     if parts is None or q_t is None:  # q_t None: fsdp gathers q, once for the forward and the backward
         y = scaled_dot(spec, x_q, sx, q, scale, x.dtype) if q_t is None else \
             scaled_dot(_transposed_spec(spec), x_q, sx, q_t, scale, x.dtype)
-        y = y if b is None else y + b.astype(y.dtype)
-        y = y if parts is None else output_slices(y, spec, parts)
+        y = _with_bias(y, b, spec, parts)
     else:
         # each slice's GEMM as [rows, K] x [K, F] (its output axes flattened): cuBLASLt then takes
         # the rescale into its alpha and the bias into its epilogue; over [B, T, H, K] XLA:GPU
@@ -348,7 +347,7 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
             sx_i = jax.lax.optimization_barrier((sx, y[-1]))[0] if y else sx
             w_i = jax.lax.index_in_dim(q_t, i, parts - k, keepdims=False)
             y_i = scaled_dot("rk,fk->rf", x2_q, sx_i, w_i.reshape(-1, x2_q.shape[1]), scale, x.dtype, fold=True)
-            if b is not None:  # its own array (a barrier), as in layers.py `_precast_einsum`
+            if b is not None and b[i] is not None:  # its own array (a barrier), as in layers.py `_precast_einsum`
                 y_i = y_i + jax.lax.optimization_barrier(b[i].astype(x.dtype).reshape(-1))
             y.append(y_i.reshape(*rows, *w_i.shape[:-k]))
         y = tuple(y)
@@ -365,7 +364,11 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
                              [(i if d == axis else 0, n - 1 - i if d == axis else 0, 0) for d in range(g.ndim + 1)])
                  for i, g in enumerate(dy))
     dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
-    db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=_bias_rows(spec)).astype(b.dtype)
+    db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=_bias_rows(spec))
+    if isinstance(b, tuple):  # the slices' biases: db's leading axis is theirs
+        db = tuple(None if b_i is None else db[i].astype(b_i.dtype) for i, b_i in enumerate(b))
+    elif b is not None:
+        db = db.astype(b.dtype)
     return dx, dw.astype(w_dtype), None, None, None, None, db  # q, q_t, scale, x_amax: made outside the gradient
 
 
@@ -374,7 +377,7 @@ _prequantized_einsum.defvjp(_pre_forward, _pre_backward)
 
 def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None,
            x_amax: jax.Array | None = None, *, parts: int | None = None,
-           bias: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
+           bias: jax.Array | tuple | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
     ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
     gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
@@ -392,8 +395,19 @@ def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: 
             w = w.w
         w = w.astype(x.dtype)
         y = fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
+        return _with_bias(y, bias, spec, parts)
+
+
+def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: int | None) -> jax.Array | tuple:
+    """y + bias, or with `parts` y's slices along the weight's axis `parts`, each plus its bias (a
+    tuple of them, any None; or one array whose leading axis is the slices')."""
+    if parts is None:
+        return y if bias is None else y + bias.astype(y.dtype)
+    if not isinstance(bias, tuple):
         y = y if bias is None else y + bias.astype(y.dtype)
-        return y if parts is None else output_slices(y, spec, parts)
+        return output_slices(y, spec, parts)
+    return tuple(y_i if b_i is None else y_i + b_i.astype(y_i.dtype)
+                 for y_i, b_i in zip(output_slices(y, spec, parts), bias, strict=True))
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,

@@ -73,7 +73,7 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, KVCache
 from jaxgpt.model.blocks import Block, MoEGroup
 from jaxgpt.model.documents import Documents, documents, reordered, whole_windows
-from jaxgpt.model.layers import STD, Norm, param
+from jaxgpt.model.layers import STD, Norm, fence, param
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.model.remat import REMAT_POLICIES
 from jaxgpt.parallel.context import balanced_ways, to_device_order, to_window_order, ways as cp_ways
@@ -146,7 +146,9 @@ class GPT(nnx.Module):
                 x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
             else:
                 x_BTD = x_BTD + to_device_order(self.wpe[...], cp, axis=0)
-        x_BTD = x_BTD.astype(dtype)
+        # an array of its own in `dtype`: otherwise XLA:GPU fused the cast into the first norm's kernel and
+        # wrote the fp32 sum for it beside the rounded one (a [rows, D] fp32 array per micro-batch)
+        x_BTD = fence(x_BTD.astype(dtype))
         return shard(x_BTD, "batch", "seq", "act_embed")
 
     def documents(self, tokens_BT: jax.Array, cache: KVCache | None = None) -> Documents | None:

@@ -90,8 +90,8 @@ def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int |
     Only there: a gradient that leaves the GEMM for a stack (scanned layers) or a reduce-scatter
     (fsdp) would move twice the bytes (jaxgpt.config.weight_grads_summed_in_gemm).
 
-    parts: None, or an axis of w (and the leading axis of b) whose slices are GEMMs of their own,
-    `spec` being one slice's: the tuple of their outputs. Their weight gradients are joined along
+    parts: None, or an axis of w whose slices are GEMMs of their own, `spec` being one slice's: the
+    tuple of their outputs; b is then the tuple of their biases (None for a slice without). Their weight gradients are joined along
     that axis here, so that a piece of the joined gradient is one GEMM's output (a slice of autodiff's
     sum of padded slices reads all of them).
 
@@ -104,7 +104,9 @@ def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int |
     return _precast_fwd(spec, w_dtype, fp32_grad, parts, x, w, c, b)[0]
 
 
-def _slices(c: jax.Array, b: jax.Array | None, parts: int | None) -> list:
+def _slices(c: jax.Array, b: jax.Array | tuple | None, parts: int | None) -> list:
+    """(c's slice, its bias) per GEMM: c and b whole, or with `parts` each slice and its own bias
+    (b: a tuple of them, any of them None)."""
     if parts is None:
         return [(c, b)]
     return [(jax.lax.index_in_dim(c, i, parts, keepdims=False), None if b is None else b[i])
@@ -142,10 +144,10 @@ def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
         dx_i = planned_dot(f"{out},{wl}->{a}", dy_i, c_i)  # jnp.einsum's own order transposed QKV's gradient (+60 ms)
         dx = dx_i if dx is None else dx + dx_i
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
-        if b is not None:
-            dbs.append(jnp.sum(dy_i.astype(jnp.float32), axis=tuple(range(dy_i.ndim - b_i.ndim))))
+        dbs.append(None if b_i is None else
+                   jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=tuple(range(dy_i.ndim - b_i.ndim))).astype(b_i.dtype))
     dw = dws[0] if parts is None else jnp.stack(dws, parts)
-    db = None if b is None else (dbs[0] if parts is None else jnp.stack(dbs)).astype(b.dtype)
+    db = None if b is None else dbs[0] if parts is None else tuple(dbs)
     return dx, dw.astype(w_dtype), None, db
 
 
@@ -153,7 +155,7 @@ _precast_einsum.defvjp(_precast_fwd, _precast_bwd)
 
 
 def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_amax: jax.Array | None = None,
-          *, bias: nnx.Param | None = None, split: bool = False) -> jax.Array | tuple[jax.Array, ...]:
+          *, bias: nnx.Param | jax.Array | tuple | None = None, split: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
     under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element).
     The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`), or
@@ -162,13 +164,17 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_am
     bias: added to the output, in the GEMM's epilogue (`_precast_einsum`; fp8: cuBLASLt's, where
     the weight is `Prequantized`). split: the tuple of the outputs of the weight's slices along its
     'qkv' axis (attention's q, k and v), each a GEMM of its own that writes its slice as the
-    attention kernel reads it (fp8: the forward's). One GEMM, sliced after, under fsdp
-    (`_slices_apart`) and where fp8 quantizes the weight in the loop (a pipeline's)."""
+    attention kernel reads it (fp8: the forward's); the bias then comes as the tuple of the
+    slices' biases (any of them None), or as one array whose leading axis is the slices'. One
+    GEMM, sliced after, under fsdp (`_slices_apart`) and where fp8 quantizes the weight in the loop
+    (a pipeline's)."""
+    if split and bias is not None and not isinstance(bias, tuple):
+        bias = tuple(bias[...])
     if split and not _slices_apart():
-        return output_slices(add_bias(dense(name, spec, x, kernel, fp8, x_amax), bias), spec,
-                             kernel.logical_axes.index("qkv"))
+        ys = output_slices(dense(name, spec, x, kernel, fp8, x_amax), spec, kernel.logical_axes.index("qkv"))
+        return ys if bias is None else tuple(add_bias(y, b) for y, b in zip(ys, bias, strict=True))
     w, axes = kernel.get_value(), kernel.logical_axes
-    b = None if bias is None else bias[...]
+    b = bias if bias is None or isinstance(bias, tuple) else bias[...]
     parts = axes.index("qkv") if split else None
     if isinstance(w, Prequantized) and not fp8:
         w = w.w
@@ -180,6 +186,48 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_am
     if isinstance(w, Precast):
         w = _read_copy(jnp.dtype(w.w.dtype), w.w, w.c)
     return linear(name, spec, x, w, fp8, axes, x_amax, parts=parts, bias=b)
+
+
+def folded_bias(spec: str, in_bias: jax.Array | None, kernel: nnx.Param,
+                bias: nnx.Param | jax.Array | None) -> nnx.Param | jax.Array | None:
+    """The bias of the linear layer einsum(spec, x, kernel) + bias whose input x lacks a bias of its
+    own, in_bias (over the weight's contracted axes): (x + in_bias) W + bias = x W + (in_bias W +
+    bias). In fp32, a GEMV on the parameter itself (a copy's `w`), whose gradient autodiff sends to
+    the weight and to in_bias. `bias` itself where in_bias is None. Norm.without_bias says why."""
+    if in_bias is None:
+        return bias
+    _, wl, out = einsum_operands(spec)
+    k = sum(c not in out for c in wl)  # the contracted axes lead the weight
+    w = kernel.get_value()
+    w = w.w if isinstance(w, Precast | Prequantized) else w
+    folded = jnp.einsum(f"{wl[:k]},{wl}->{wl[k:]}", in_bias.astype(jnp.float32), w.astype(jnp.float32))
+    return folded if bias is None else folded + bias[...]
+
+
+def project_out(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, bias: nnx.Param | None,
+                x_amax: jax.Array | None = None, in_bias: jax.Array | None = None) -> jax.Array:
+    """`dense` for a projection back onto the residual stream (attention's and the MLP's c_proj),
+    whose output the block adds to the stream. Where `gemm_epilogues`, the bias goes in the
+    GEMM's epilogue, and XLA:GPU takes the block's residual add there too (blocks.py `_residual`),
+    where it was a pass of its own. Elsewhere it is added after, as before: the next norm's
+    statistics pass takes the bias and the residual add, and its backward sums the bias gradient
+    beside the norm's. in_bias: a bias of x that x does not hold (`folded_bias`)."""
+    bias = folded_bias(spec, in_bias, kernel, bias)
+    if not gemm_epilogues(fp8):
+        return add_bias(dense(name, spec, x, kernel, fp8, x_amax), bias)
+    return dense(name, spec, x, kernel, fp8, x_amax, bias=bias)
+
+
+def gemm_epilogues(fp8: bool) -> bool:
+    """Whether the block's compute-dtype GEMMs take the work around them into their epilogues: a
+    residual projection's bias and the residual add (`project_out`, blocks.py `_residual`), and
+    with them the norms recompute their statistics (`Norm`) and attention's k and v add no bias
+    (attention.py `_qkv`). Not in fp8 (`fp8`: the layer's GEMM is), where a cuBLASLt fp8 GEMM takes
+    no residual and the fp8 backward already sums the biases' gradients in the kernel that takes
+    the gradient's amax (gpt2-1.3b fp8 on one H100: 3,126.5 -> 3,147.9 ms a step predicted with k's
+    and v's), and not under fsdp, where the bias sums took reduce-scatters and all-reduces of their
+    own (gpt2-1.3b on 8 H100s, fsdp=8: 677.3 -> 690.9 ms)."""
+    return not fp8 and _slices_apart()
 
 
 def _slices_apart() -> bool:
@@ -329,7 +377,26 @@ def _around(p: Prequantized | Precast, w: jax.Array, axes: tuple, contracted: in
     return p._replace(w=w, q=jnp.stack(p.q), q_t=q_t)
 
 
-def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
+@jax.custom_vjp
+def fence(x: jax.Array) -> jax.Array:
+    """x behind an optimization barrier in the forward pass only (`jax.lax.optimization_barrier`'s own
+    transpose puts one on the gradient too): x stays an array of its own, which XLA neither fuses
+    into its consumers nor recomputes there."""
+    return jax.lax.optimization_barrier(x)
+
+
+def _fence_fwd(x):
+    return fence(x), None
+
+
+def _fence_bwd(_, g):
+    return (g,)
+
+
+fence.defvjp(_fence_fwd, _fence_bwd)
+
+
+def add_bias(y: jax.Array, bias: nnx.Param | jax.Array | None) -> jax.Array:
     """y + bias in y's dtype; y itself where the layer has no bias (model.bias=false)."""
     return y if bias is None else y + bias[...].astype(y.dtype)
 
@@ -337,13 +404,17 @@ def add_bias(y: jax.Array, bias: nnx.Param | None) -> jax.Array:
 class Norm(nnx.Module):
     """LayerNorm (GPT-2) or RMSNorm over the last axis, in fp32, eps 1e-5. A learned scale unless
     model.norm_scale=false; a bias for LayerNorm with model.bias. `axis` names the normalised
-    dimension ('embed', or 'head_dim' for qk-norm, which is always RMS)."""
+    dimension ('embed', or 'head_dim' for qk-norm, which is always RMS). `feeds`: the linear kind
+    its output goes to ('qkv', 'mlp_in'): the forward keeps each row's statistics for the backward
+    (norm.py) where that GEMM is in fp8 or fsdp splits it (`gemm_epilogues`)."""
 
-    def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None):
+    def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None,
+                 feeds: str | None = None):
         self.rms = cfg.norm == "rmsnorm" if rms is None else rms
         self.scale = param(rngs, (d,), (axis,), 0) if cfg.norm_scale else None
         self.bias = param(rngs, (d,), (axis,), None) if cfg.bias and not self.rms else None
         self.flatten = axis == "embed"
+        self.feeds_fp8 = feeds in cfg.fp8_linears()
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         # [B, T, D] is normalised as [B*T, D] (B and T are one axis to the layout: T is never split).
@@ -352,8 +423,9 @@ class Norm(nnx.Module):
         # block: gpt2-124m on one H100, predicted 1,309 -> 1,209 ms a step (jaxgpt.plan --target h100).
         # The backward pass is norm.py's own (bf16 in and out, no fp32 [N, D] temporary).
         x = x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD
+        keep_stats = not gemm_epilogues(self.feeds_fp8)
         value = lambda p: None if p is None else p[...]  # noqa: E731
-        return normalize(x, value(self.scale), value(self.bias), self.rms).reshape(x_BTD.shape)
+        return normalize(x, value(self.scale), value(self.bias), self.rms, keep_stats).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):
@@ -375,10 +447,10 @@ class MLP(nnx.Module):
         gate_BTF = None
         if self.kind == "swiglu":
             gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, "mlp_gate" in self.fp8),
-                             self.c_gate_bias)
+                                self.c_gate_bias)
         # fp8: the activation's amax bounded from h (activation_amax), so its e4m3 cast computes the
         # activation from h itself and no kernel writes the activation in bf16
         amax = activation_amax(self.kind, h_BTF) if "mlp_out" in self.fp8 else None
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF), "batch", "seq", "act_mlp")
-        return add_bias(dense("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8, amax),
-                     self.c_proj_bias)
+        return project_out("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8, self.c_proj_bias,
+                           amax)

@@ -5,26 +5,35 @@
 
 Statistics and arithmetic are fp32 whatever x's dtype; y and dx come back in x's dtype (bf16 on a
 GPU), so the backward pass reads and writes the residual stream's own [N, D] tensors and nothing
-wider. The forward keeps x (which the residual stream holds anyway) and two fp32 numbers per row,
-mean and rstd; the backward recomputes xhat = (x - mean) * rstd from them where it is used:
+wider:
 
     dx     = rstd (g scale - mean_D(g scale) - xhat mean_D(g scale xhat))
     dscale = sum_N(g xhat)     dbias = sum_N(g)
 
-Compiled for an H100 that is two passes over the bf16 g and x: the two row means, then one that
-writes dx with dscale and dbias as column sums beside it (one variadic reduction, `_column_sums`).
+Compiled for an H100 the backward is two passes over the bf16 g and x: one of row sums, then one
+that writes dx with dscale and dbias as column sums beside it (one variadic reduction,
+`_column_sums`).
+
+The statistics. By default the forward keeps only x (which the residual stream holds anyway) and
+the backward recomputes mean and rstd in its pass of row sums (`_recomputed`: sums of x, x^2, g and
+g x, each row shifted by its first element so that they do not cancel). The forward is then one
+kernel, XLA:GPU's Triton normalization fusion, that reads x and writes y: keeping the statistics
+made it three (the row mean, the variance, then y), with the residual add in the first (gpt2-124m
+on one H100: 956.6 -> 949.5 ms a step predicted; the add then moved into the GEMM before it,
+blocks.py `_residual`). keep_stats=True keeps them (the norm's module decides, layers.py `Norm`):
+where the norm feeds an fp8 GEMM, whose cast to e4m3 then computes y from x and the statistics and
+y is never written in bf16 (recomputing wrote it for the cast to read: gpt2-124m fp8 923.0 ->
+927.6 ms), and under fsdp, where the recomputing backward took more passes (gpt2-1.3b on 8 H100s,
+fsdp=8: 677.3 -> 682.6 ms).
 
 Why by hand. Autodiff of the fp32 formula left XLA:GPU a backward that wrote the fp32 product
 g * xhat, [N, D] wide, only to read it back for dscale's column sum, and summed dbias in a third
 pass (gpt2-124m on one H100: 2.2 GB a norm a micro-batch where these two passes move 1.2;
 jaxgpt.plan --target h100, docs/benchmarks.md "Issue 40"). The column sums here see only g, x and
-the saved per-row statistics, so XLA fuses both into the pass that writes dx, without the fp32
+the per-row statistics, so XLA fuses both into the pass that writes dx, without the fp32
 temporary; tests/test_gpu_compile.py holds that no fp32 [N, D] tensor is written at gpt2-124m's
-micro-batch (gpt2-1.3b's compiled step: 51 such writes before, none after). The forward now
-writes the statistics, one pass more there (+0.2 GB a norm). At small micro-batches XLA's fusion
-choices differ: with 4 x 1,024 rows a device (dp=8) it still writes g * xhat and the step is
-predicted 0.8% slower than autodiff's; a second barrier or a stacked column sum made that worse
-(more fp32 written, some transposed), so this is the version kept.
+micro-batch (gpt2-1.3b's compiled step: 51 such writes before, none after). At small micro-batches
+XLA's fusion choices differ: with 4 x 1,024 rows a device (dp=8) it still writes g * xhat.
 """
 
 from __future__ import annotations
@@ -39,9 +48,12 @@ from jaxgpt.parallel.mesh import splits
 EPS = 1e-5
 
 
-def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool) -> jax.Array:
-    """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None."""
-    return _norm(x, scale, bias, rms)
+def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool,
+              keep_stats: bool = False) -> jax.Array:
+    """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None.
+    keep_stats: the forward keeps each row's mean and rstd for the backward, which otherwise
+    recomputes them (module docstring: where each pays)."""
+    return _norm(x, scale, bias, rms, keep_stats)
 
 
 def _stats(x32: jax.Array, rms: bool) -> tuple[jax.Array | None, jax.Array]:
@@ -63,31 +75,57 @@ def _apply(x, mean, rstd, scale, bias) -> jax.Array:
     return y.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _norm(x, scale, bias, rms):
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x, scale, bias, rms, keep_stats):
     return _apply(x, *_stats(x.astype(jnp.float32), rms), scale, bias)
 
 
-def _norm_fwd(x, scale, bias, rms):
+def _norm_fwd(x, scale, bias, rms, keep_stats):
+    if not keep_stats:
+        return _norm(x, scale, bias, rms, keep_stats), (x, None, None, scale, bias)
     mean, rstd = _stats(x.astype(jnp.float32), rms)
     return _apply(x, mean, rstd, scale, bias), (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(rms, res, g):
+def _norm_bwd(rms, keep_stats, res, g):
     x, mean, rstd, scale, bias = res
-    # XLA:GPU would otherwise fuse the forward's row reductions into this pass again (recomputing
-    # mean and rstd from x) and then had to write g * xhat out for dscale's column sum.
-    x, mean, rstd = jax.lax.optimization_barrier((x, mean, rstd))
     rows = tuple(range(x.ndim - 1))
-    g32, xhat = g.astype(jnp.float32), _xhat(x, mean, rstd)
+    g32 = g.astype(jnp.float32)
+    gs = g32 if scale is None else g32 * scale
+    if keep_stats:
+        # XLA:GPU would otherwise fuse the forward's row reductions into this pass again (recomputing
+        # mean and rstd from x) and then had to write g * xhat out for dscale's column sum.
+        x, mean, rstd = jax.lax.optimization_barrier((x, mean, rstd))
+        xhat = _xhat(x, mean, rstd)
+        gs_mean = None if rms else jnp.mean(gs, axis=-1, keepdims=True)
+        gs_xhat_mean = jnp.mean(gs * xhat, axis=-1, keepdims=True)
+    else:
+        xhat, rstd, gs_mean, gs_xhat_mean = _recomputed(x, gs, rms)
     dscale, dbias = _column_sums(g32 * xhat if scale is not None else None, g32 if bias is not None else None, rows)
     dscale = None if scale is None else dscale.astype(scale.dtype)
     dbias = None if bias is None else dbias.astype(bias.dtype)
-    gs = g32 if scale is None else g32 * scale
-    dx = gs - xhat * jnp.mean(gs * xhat, axis=-1, keepdims=True)
+    dx = gs - xhat * gs_xhat_mean
     if not rms:
-        dx = dx - jnp.mean(gs, axis=-1, keepdims=True)
+        dx = dx - gs_mean
     return (dx * rstd).astype(x.dtype), dscale, dbias
+
+
+def _recomputed(x: jax.Array, gs: jax.Array, rms: bool) -> tuple:
+    """xhat, rstd and the backward's two row means, mean_D(gs) (None for RMSNorm) and mean_D(gs xhat),
+    from one pass over x and g: the row sums of x, x^2, gs and gs x. Sums of x and x^2 lose the
+    variance to cancellation where a row's mean is large against its spread, so LayerNorm's are of
+    d = x - x[..., :1] (each row shifted by its first element, exactly: the variance is
+    shift-invariant, and d's mean is of the spread's size), and xhat = (d - mean_D(d)) rstd, never
+    through the mean itself (x[0] + mean_D(d) rounds at x's magnitude)."""
+    n, x32 = x.shape[-1], x.astype(jnp.float32)
+    d = x32 if rms else x32 - x[..., :1].astype(jnp.float32)
+    s2, sgd = jnp.sum(d * d, -1, keepdims=True) / n, jnp.sum(gs * d, -1, keepdims=True) / n
+    if rms:
+        rstd = jax.lax.rsqrt(s2 + EPS)
+        return d * rstd, rstd, None, rstd * sgd
+    s1, sg = jnp.sum(d, -1, keepdims=True) / n, jnp.sum(gs, -1, keepdims=True) / n
+    rstd = jax.lax.rsqrt(jnp.maximum(s2 - s1 * s1, 0.0) + EPS)
+    return (d - s1) * rstd, rstd, sg, rstd * (sgd - s1 * sg)
 
 
 def _column_sums(a: jax.Array | None, b: jax.Array | None, rows: tuple[int, ...]) -> tuple:
