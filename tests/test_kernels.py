@@ -327,6 +327,25 @@ def test_gelu_backward_recomputes_the_autodiff_gradient():
     np.testing.assert_allclose(np.asarray(ours_bf16, np.float32), np.asarray(ours_fp32), rtol=2.0 ** -8, atol=0)
 
 
+def test_gelu_keeping_its_derivative_rounds_the_gradient_twice_at_most():
+    """model/activations.py `gelu_tanh_keeping_derivative` (the bf16 MLP's on a GPU): its value is
+    jax.nn.gelu's bit for bit, and its bf16 gradient round(g round(gelu'(h))) is within two bf16
+    roundings of g gelu'(h) with the derivative in fp32: the derivative kept in bf16 by the forward,
+    then the product. `gelu_tanh`'s, which recomputes the derivative in fp32, is within one."""
+    from jaxgpt.model.activations import _gelu_derivative, gelu_tanh, gelu_tanh_keeping_derivative
+    h = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(0), (4096,)) * 3])
+    h16, g16 = h.astype(jnp.bfloat16), jax.random.normal(jax.random.key(1), h.shape).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(gelu_tanh_keeping_derivative(h16)),
+                                  np.asarray(jax.nn.gelu(h16, approximate=True)))
+    product = np.asarray(g16, np.float64) * np.asarray(_gelu_derivative(h16.astype(jnp.float32)), np.float64)
+    u = 2.0 ** -8  # bf16's unit roundoff
+    for fn, roundings in ((gelu_tanh_keeping_derivative, 2), (gelu_tanh, 1)):
+        grad = jax.vjp(fn, h16)[1](g16)[0]
+        assert grad.dtype == jnp.bfloat16
+        err = np.abs(np.asarray(grad, np.float64) - product)
+        assert np.all(err <= ((1 + u) ** roundings - 1 + 2.0 ** -23) * np.abs(product)), fn.__name__
+
+
 def test_online_logsumexp_matches_two_passes():
     """The fused loss's one-pass logsumexp (model/loss.py online_lse over online_max_sum, the
     reduction a GPU runs) against jax.nn.logsumexp on the head's shape: rows at several scales
