@@ -173,7 +173,10 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_am
     if split and bias is not None and not isinstance(bias, tuple):
         bias = tuple(bias[...])
     if split and not _slices_apart():
-        ys = output_slices(dense(name, spec, x, kernel, fp8, x_amax), spec, kernel.logical_axes.index("qkv"))
+        axis = kernel.logical_axes.index("qkv")
+        if bias is not None and all(b is not None for b in bias):  # added before the slices are taken, in one pass
+            return output_slices(add_bias(dense(name, spec, x, kernel, fp8, x_amax), jnp.stack(bias)), spec, axis)
+        ys = output_slices(dense(name, spec, x, kernel, fp8, x_amax), spec, axis)
         return ys if bias is None else tuple(add_bias(y, b) for y, b in zip(ys, bias, strict=True))
     w, axes = kernel.get_value(), kernel.logical_axes
     b = bias if bias is None or isinstance(bias, tuple) else bias[...]
