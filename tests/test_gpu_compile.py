@@ -232,7 +232,8 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     assert {t for k in gelu for t in k[3]} == {"bf16"}, gelu
     assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 0)] * L + [(1, 2)] * L, gelu
     dx = [i for k in cost.kernels(text, perf.perf("h100"))[0] if k.group == cost.GEMM
-          and "/mlp_out/" in _op_name(i := instrs[k.name]) and "transpose(" in _op_name(i) and _elements(i.shape) == rows * F]
+          and "/mlp_out/" in _op_name(i := instrs[k.name]) and "transpose(" in _op_name(i)
+          and _elements(i.shape) == rows * F]
     assert len(dx) == L and all(sum(_elements(instrs[o].shape) == rows * F for o in i.operands if o in instrs) == 1
                                 for i in dx), [i.name for i in dx]
 

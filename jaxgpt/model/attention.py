@@ -284,8 +284,8 @@ class Attention(nnx.Module):
         h100). In fp8 the backward still joins them: the kernel that does takes their amax and the
         bias's gradient too.
 
-        Where `gemm_epilogues`, only q's GEMM adds a bias. k's adds q . b_k to all of a query's scores alike, which softmax
-        ignores (not with rope or qk-norm, which make it differ by key); each softmax row sums to 1,
+        Where `gemm_epilogues`, only q's GEMM adds a bias. k's adds q . b_k to all of a query's
+        scores alike, which softmax ignores (not with rope or qk-norm, which make it differ by key); each softmax row sums to 1,
         so v's adds b_v to every output row, b_v W_o after attn_out, which goes into its bias (`__call__`).
         Their gradients are then exact (k's zero, v's a GEMV of attn_out's bias gradient), where each
         was a pass of its own over a [rows, D] gradient (gpt2-124m on one H100: 934.9 -> 926.9 ms a

@@ -91,9 +91,9 @@ def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int |
     (fsdp) would move twice the bytes (jaxgpt.config.weight_grads_summed_in_gemm).
 
     parts: None, or an axis of w whose slices are GEMMs of their own, `spec` being one slice's: the
-    tuple of their outputs; b is then the tuple of their biases (None for a slice without). Their weight gradients are joined along
-    that axis here, so that a piece of the joined gradient is one GEMM's output (a slice of autodiff's
-    sum of padded slices reads all of them).
+    tuple of their outputs; b is then the tuple of their biases (None for a slice without). Their
+    weight gradients are joined along that axis here, so that a piece of the joined gradient is one
+    GEMM's output (a slice of autodiff's sum of padded slices reads all of them).
 
     b: added in the GEMM's epilogue. XLA:GPU fuses a bias into a Triton GEMM only where the dot
     writes fp32 and the bias is an array of its own, one axis wide, on the output's last axis:
@@ -146,8 +146,11 @@ def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
         # otherwise the last read both earlier ones (gpt2-124m on one H100: 912.1 -> 909.5 ms predicted)
         dx = dx_i if dx is None else jax.lax.optimization_barrier(dx) + dx_i
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
+        # the bias gradient's sum a pass of its own (a barrier): fused into the next norm's dx pass, it
+        # pushed the norm's own two column sums out into a pass that read x and g (three do not fit)
+        rows = tuple(range(dy_i.ndim - (0 if b_i is None else b_i.ndim)))
         dbs.append(None if b_i is None else
-                   jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=tuple(range(dy_i.ndim - b_i.ndim))).astype(b_i.dtype))
+                   jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=rows).astype(b_i.dtype))
     dw = dws[0] if parts is None else jnp.stack(dws, parts)
     db = None if b is None else dbs[0] if parts is None else tuple(dbs)
     return dx, dw.astype(w_dtype), None, db
@@ -157,7 +160,8 @@ _precast_einsum.defvjp(_precast_fwd, _precast_bwd)
 
 
 def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_amax: jax.Array | None = None,
-          *, bias: nnx.Param | jax.Array | tuple | None = None, split: bool = False) -> jax.Array | tuple[jax.Array, ...]:
+          *, bias: nnx.Param | jax.Array | tuple | None = None,
+          split: bool = False) -> jax.Array | tuple[jax.Array, ...]:
     """`fp8.linear` on a weight parameter, cast to x's dtype; its logical axes go along so that
     under fp8 its e4m3 copy keeps the parameter's sharding (fsdp then gathers 1 byte an element).
     The parameter may hold the weight's `Prequantized` copies instead (`prequantize_weights`), or
@@ -198,7 +202,8 @@ def folded_bias(spec: str, in_bias: jax.Array | None, kernel: nnx.Param,
     """The bias of the linear layer einsum(spec, x, kernel) + bias whose input x lacks a bias of its
     own, in_bias (over the weight's contracted axes): (x + in_bias) W + bias = x W + (in_bias W +
     bias). In fp32, a GEMV on the parameter itself (a copy's `w`), whose gradient autodiff sends to
-    the weight and to in_bias. `bias` itself where in_bias is None. Norm.without_bias says why."""
+    the weight and to in_bias. `bias` itself where in_bias is None. attention.py `_qkv` says why
+    (v's bias, folded into attn_out's)."""
     if in_bias is None:
         return bias
     _, wl, out = einsum_operands(spec)
