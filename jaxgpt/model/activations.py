@@ -1,13 +1,16 @@
 """The dense MLP's nonlinearities (model.mlp) with backward passes that keep only the GEMM outputs.
 
     gelu    gelu_tanh(h)               keeps h            tanh recomputed where the derivative is formed
+            (the bf16 dense MLP:       keeps gelu'(h)     dh = g gelu'(h), in the out GEMM's epilogue;
+             gelu_tanh_keeping_derivative)
     relu2   relu(h)^2                  keeps h            dh = 2 relu(h) g
     swiglu  silu(gate) h               keeps gate and h   dh = silu(gate) g
                                                           dgate = h g sig(gate) (1 + gate (1 - sig(gate)))
 
 Dense MLPs and experts (model/moe.py, dropless.py) both take them from here.
 h and gate are [B, T, F] (an expert's [..., F]) in the GEMM's output layout and dtype (bf16 on a GPU); the derivative is
-formed in fp32 inside the elementwise pass that reads g, and rounded once. Autodiff's residuals
+formed in fp32 inside the elementwise pass that reads g, and rounded once (the derivative kept
+in bf16 is rounded, then the product: twice). Autodiff's residuals
 are relu(h) and the mask, or silu(gate), sigmoid(gate) and h; in the compiled H100 step XLA already
 recomputes those inside the backward's fusions (a SwiGLU step moves the same bf16 [rows, F]
 tensors with either backward; docs/benchmarks.md "Issue 40"), so here the saved set is stated
