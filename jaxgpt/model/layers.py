@@ -142,9 +142,11 @@ def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
     dx, dws, dbs = None, [], []
     for (c_i, b_i), dy_i in zip(_slices(c, b, parts), dy if parts is not None else (dy,), strict=True):
         dx_i = planned_dot(f"{out},{wl}->{a}", dy_i, c_i)  # jnp.einsum's own order transposed QKV's gradient (+60 ms)
-        # each slice's dx GEMM adds the sum so far in its epilogue (an array of its own: a barrier);
-        # otherwise the last read both earlier ones (gpt2-124m on one H100: 912.1 -> 909.5 ms predicted)
-        dx = dx_i if dx is None else jax.lax.optimization_barrier(dx) + dx_i
+        # on a GPU each slice's dx GEMM adds the sum so far in its epilogue (an array of its own: a
+        # barrier); otherwise the last read both earlier ones (gpt2-124m on one H100: 912.1 -> 909.5 ms
+        # predicted). Not on a CPU: XLA:CPU takes no sum into a dot, and the barrier only splits its fusions
+        chained = dx is not None and target_device().platform == "gpu"
+        dx = dx_i if dx is None else (jax.lax.optimization_barrier(dx) if chained else dx) + dx_i
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
         # the bias gradient's sum a pass of its own (a barrier): fused into the next norm's dx pass, it
         # pushed the norm's own two column sums out into a pass that read x and g (three do not fit)
