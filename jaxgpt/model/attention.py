@@ -265,7 +265,6 @@ class Attention(nnx.Module):
         self.qk_norm = cfg.qk_norm
         self.rope_theta = cfg.rope_theta if cfg.position == "rope" else None
         self.k_bias_cancels = not cfg.qk_norm and cfg.position != "rope"  # `_qkv`
-        self.fp8_qkv_or_out = bool({"qkv", "attn_out"} & cfg.fp8_linears())
         self.c_proj_kernel = param(rngs, (H, K, D), ("heads", "head_dim", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if bias else None
         self.impl, _ = select_kernel(cfg.attention, compute_dtype(cfg.dtype), cfg.head_dim, cfg.document_mask)
@@ -285,13 +284,14 @@ class Attention(nnx.Module):
         bias's gradient too.
 
         Where `gemm_epilogues`, only q's GEMM adds a bias. k's adds q . b_k to all of a query's
-        scores alike, which softmax ignores (not with rope or qk-norm, which make it differ by key); each softmax row sums to 1,
-        so v's adds b_v to every output row, b_v W_o after attn_out, which goes into its bias (`__call__`).
-        Their gradients are then exact (k's zero, v's a GEMV of attn_out's bias gradient), where each
-        was a pass of its own over a [rows, D] gradient (gpt2-124m on one H100: 934.9 -> 926.9 ms a
-        step predicted; gpt2-1.3b 3,906.4 -> 3,892.6)."""
+        scores alike, which softmax ignores (not with rope or qk-norm, which make it differ by key);
+        each softmax row sums to 1, so v's adds b_v to every output row, b_v W_o after attn_out,
+        which goes into its bias (`__call__`). Their gradients are then exact (k's zero, v's a GEMV
+        of attn_out's bias gradient), where each was a pass of its own over a [rows, D] gradient
+        (gpt2-124m on one H100: 934.9 -> 926.9 ms a step predicted; gpt2-1.3b 3,906.4 -> 3,892.6)."""
         fp8 = "qkv" in self.fp8
-        drop = gemm_epilogues(self.fp8_qkv_or_out)  # k's and v's biases go (below)
+        drop = gemm_epilogues(bool({"qkv", "attn_out"} & self.fp8))  # k's and v's biases go (below)
+        v_bias = None
         if not self.grouped:
             b = self.c_attn_bias
             b_q, b_k, b_v = (None, None, None) if b is None else tuple(b[...])
@@ -308,8 +308,6 @@ class Attention(nnx.Module):
                 b_k, b_v = None if self.k_bias_cancels else b_k, None
             k_BTGK, v_BTGK = dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, fp8, split=True,
                                    bias=None if b is None else (b_k, b_v))
-        if not drop:
-            v_bias = None
         return (*(shard(y, "batch", "seq", "act_heads", None) for y in (q_BTHK, k_BTGK, v_BTGK)), v_bias)
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,

@@ -13,7 +13,7 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, Attention
 from jaxgpt.model.documents import Documents
-from jaxgpt.model.layers import MLP, STD, Norm, param, gemm_epilogues
+from jaxgpt.model.layers import MLP, STD, Norm, gemm_epilogues, param
 from jaxgpt.model.moe import Experts, MoEStats, moe_mlp
 from jaxgpt.parallel.mesh import shard
 
@@ -62,8 +62,9 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs)
         self.ln_2 = Norm(cfg, cfg.n_embd, rngs, feeds=None if moe else "mlp_in")
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
+        # whether each branch's output is an fp8 GEMM's, or no GEMM's (an MoE's combine): `_residual`
         fp8 = cfg.fp8_linears()
-        self.fp8_attn_out, self.fp8_mlp_out = "attn_out" in fp8, moe or "mlp_out" in fp8  # `_residual`
+        self.fp8_attn_out, self.fp8_mlp_out = "attn_out" in fp8, moe or "mlp_out" in fp8
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
                  docs: Documents | None = None):
@@ -85,8 +86,8 @@ class Block(nnx.Module):
         return (x_BTD, stats) if kv is None else (x_BTD, kv, stats)
 
 
-def _residual(x_BTD: jax.Array, y_BTD: jax.Array, fence: bool) -> jax.Array:
-    """x + y, the block's residual add. fence: y is a GEMM's output in the compute dtype (`project_out`),
+def _residual(x_BTD: jax.Array, y_BTD: jax.Array, barrier: bool) -> jax.Array:
+    """x + y, the block's residual add. barrier: y is a GEMM's output in the compute dtype (`project_out`),
     whose epilogue can take the add. XLA:GPU's GEMM fusion takes an elementwise consumer's other
     operand only where that is an array of its own (a parameter, or behind an optimization barrier),
     and the residual stream is the previous block's add: so x passes a barrier, and the add runs in
@@ -98,7 +99,7 @@ def _residual(x_BTD: jax.Array, y_BTD: jax.Array, fence: bool) -> jax.Array:
     next norm's statistics pass (norm.py keep_stats). Added as rows [B*T, D], the GEMM's own shape."""
     D = x_BTD.shape[-1]
     x = x_BTD.reshape(-1, D)
-    return ((jax.lax.optimization_barrier(x) if fence else x) + y_BTD.reshape(-1, D)).reshape(x_BTD.shape)
+    return ((jax.lax.optimization_barrier(x) if barrier else x) + y_BTD.reshape(-1, D)).reshape(x_BTD.shape)
 
 
 class MoEGroup(nnx.Module):

@@ -321,7 +321,8 @@ def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: 
     parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (attention's
     q, k and v), the tuple of their outputs: each GEMM writes its slice as the attention kernel
     reads it, with the rescale in cuBLASLt's alpha and its bias (b: the tuple of the slices', any
-    None) in its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of its own.
+    None) in its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of
+    its own.
     The backward joins the slices' gradients (the kernel that takes their amax and the bias's
     gradient) for one e5m2 cast and the weight's two gradient GEMMs, as before."""
     return _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax, b)[0]
@@ -399,15 +400,13 @@ def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: 
 
 
 def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: int | None) -> jax.Array | tuple:
-    """y + bias, or with `parts` y's slices along the weight's axis `parts`, each plus its bias (a
-    tuple of them, any None; or one array whose leading axis is the slices')."""
+    """y + bias, or with `parts` y's slices along the weight's axis `parts`, each plus its bias
+    (bias: the tuple of them, any None, as layers.py `dense` passes it)."""
     if parts is None:
         return y if bias is None else y + bias.astype(y.dtype)
-    if not isinstance(bias, tuple):
-        y = y if bias is None else y + bias.astype(y.dtype)
-        return output_slices(y, spec, parts)
-    return tuple(y_i if b_i is None else y_i + b_i.astype(y_i.dtype)
-                 for y_i, b_i in zip(output_slices(y, spec, parts), bias, strict=True))
+    ys = output_slices(y, spec, parts)
+    return ys if bias is None else tuple(y_i if b_i is None else y_i + b_i.astype(y_i.dtype)
+                                         for y_i, b_i in zip(ys, bias, strict=True))
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,

@@ -150,9 +150,11 @@ def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
         # the bias gradient's sum a pass of its own (a barrier): fused into the next norm's dx pass, it
         # pushed the norm's own two column sums out into a pass that read x and g (three do not fit)
-        rows = tuple(range(dy_i.ndim - (0 if b_i is None else b_i.ndim)))
-        dbs.append(None if b_i is None else
-                   jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=rows).astype(b_i.dtype))
+        db_i = None
+        if b_i is not None:
+            rows = tuple(range(dy_i.ndim - b_i.ndim))
+            db_i = jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=rows).astype(b_i.dtype)
+        dbs.append(db_i)
     dw = dws[0] if parts is None else jnp.stack(dws, parts)
     db = None if b is None else dbs[0] if parts is None else tuple(dbs)
     return dx, dw.astype(w_dtype), None, db
