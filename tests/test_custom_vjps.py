@@ -233,3 +233,41 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
     else:
         np.testing.assert_array_equal(dw, dw_ref)
     np.testing.assert_allclose(db, db_exact, rtol=0, atol=1e-6 * float(jnp.abs(db_exact).max()))
+
+
+@pytest.mark.parametrize("overrides", [(), ("model.position=rope",), ("model.n_kv_head=2", "model.mlp=swiglu")],
+                         ids=["gpt2", "rope", "grouped_swiglu"])
+def test_norm_bias_routed_through_the_linears_gets_the_norms_own_gradient(overrides, monkeypatch):
+    """GPT-2's blocks (fp32 on the CPU): ln_1 and ln_2 route their bias's gradient through the
+    linears they feed (model/layers.py `Norm.routed`: each linear's bias gradient times its weight;
+    k's bias, which softmax ignores without rope, contributes nothing; v's after its fold into
+    attn_out's). Every parameter's gradient equals the one with each norm summing its own bias's
+    gradient, to fp32 rounding, with random biases everywhere; with rope k keeps its bias and passes
+    its gradient on too, and so do grouped-query's q and kv and SwiGLU's gate."""
+    from flax import nnx
+    from helpers import tiny_config
+
+    from jaxgpt.model import GPT
+    from jaxgpt.model.layers import Norm
+
+    cfg = tiny_config(*overrides)
+    graphdef, params = nnx.split(GPT(cfg.model, nnx.Rngs(0)))
+    keys = iter(jax.random.split(jax.random.key(1), 64))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, p: p + 0.1 * jax.random.normal(next(keys), p.shape) if "bias" in str(path[-1]) else p, params)
+    tokens_BT = jax.random.randint(jax.random.key(2), (2, cfg.model.seq_len + 1), 0, cfg.model.vocab_size)
+
+    def loss(params):
+        logits_BTV = nnx.merge(graphdef, params)(tokens_BT[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits_BTV), tokens_BT[:, 1:, None], -1))
+
+    routes = []
+    original = Norm.routes
+    monkeypatch.setattr(Norm, "routes", lambda self: routes.append(original(self)) or routes[-1])
+    routed = jax.grad(loss)(params)
+    assert any(routes)  # the blocks' norms did route
+    monkeypatch.setattr(Norm, "routes", lambda self: False)
+    own = jax.grad(loss)(params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(routed)[0], jax.tree.leaves(own), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max()),
+                                   err_msg=jax.tree_util.keystr(path))

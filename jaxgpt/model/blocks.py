@@ -58,9 +58,9 @@ class MoE(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-        self.ln_1 = Norm(cfg, cfg.n_embd, rngs, feeds="qkv")
+        self.ln_1 = Norm(cfg, cfg.n_embd, rngs, feeds="qkv", after="mlp_out")
         self.attn = Attention(cfg, rngs)
-        self.ln_2 = Norm(cfg, cfg.n_embd, rngs, feeds=None if moe else "mlp_in")
+        self.ln_2 = Norm(cfg, cfg.n_embd, rngs, feeds=None if moe else "mlp_in", after="attn_out")
         self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
         # whether each branch's output is an fp8 GEMM's, or no GEMM's (an MoE's combine): `_residual`
         fp8 = cfg.fp8_linears()
@@ -71,7 +71,8 @@ class Block(nnx.Module):
         """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
         or (x, kv, stats). `docs`: model.document_mask's documents (jaxgpt/model/documents.py)."""
         if kv is None:
-            x_BTD = _residual(x_BTD, self.attn(self.ln_1(x_BTD), docs=docs), gemm_epilogues(self.fp8_attn_out))
+            n_BTD, norm_bias = self.ln_1.routed(x_BTD)
+            x_BTD = _residual(x_BTD, self.attn(n_BTD, docs=docs, norm_bias=norm_bias), gemm_epilogues(self.fp8_attn_out))
         else:
             y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos, docs)
             x_BTD = x_BTD + y_BTD
@@ -79,7 +80,7 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):
             y_BTD, stats = self.mlp(self.ln_2(x_BTD), drop=kv is None)
         else:
-            y_BTD = self.mlp(self.ln_2(x_BTD))
+            y_BTD = self.mlp(*self.ln_2.routed(x_BTD))
         x_BTD = shard(_residual(x_BTD, y_BTD, gemm_epilogues(self.fp8_mlp_out)), "batch", "seq", "act_embed")
         if stats is None:
             return x_BTD if kv is None else (x_BTD, kv)

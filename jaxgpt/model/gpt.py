@@ -101,7 +101,7 @@ class GPT(nnx.Module):
                 return Block(cfg, rngs)
 
             self.blocks = make_blocks(rngs)
-        self.ln_f = Norm(cfg, cfg.n_embd, rngs)
+        self.ln_f = Norm(cfg, cfg.n_embd, rngs, after="mlp_out")
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
 

@@ -148,12 +148,12 @@ def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
         chained = dx is not None and target_device().platform == "gpu"
         dx = dx_i if dx is None else (jax.lax.optimization_barrier(dx) if chained else dx) + dx_i
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
-        # the bias gradient's sum a pass of its own (a barrier): fused into the next norm's dx pass, it
-        # pushed the norm's own two column sums out into a pass that read x and g (three do not fit)
+        # the bias gradient's sum: in the dx pass of the norm after the residual add, where that norm
+        # routes its own bias's gradient, else a pass of its own (`Norm`'s fence)
         db_i = None
         if b_i is not None:
             rows = tuple(range(dy_i.ndim - b_i.ndim))
-            db_i = jnp.sum(jax.lax.optimization_barrier(dy_i).astype(jnp.float32), axis=rows).astype(b_i.dtype)
+            db_i = jnp.sum(dy_i.astype(jnp.float32), axis=rows).astype(b_i.dtype)
         dbs.append(db_i)
     dw = dws[0] if parts is None else jnp.stack(dws, parts)
     db = None if b is None else dbs[0] if parts is None else tuple(dbs)
@@ -216,6 +216,48 @@ def folded_bias(spec: str, in_bias: jax.Array | None, kernel: nnx.Param,
     w = w.w if isinstance(w, Precast | Prequantized) else w
     folded = jnp.einsum(f"{wl[:k]},{wl}->{wl[k:]}", in_bias.astype(jnp.float32), w.astype(jnp.float32))
     return folded if bias is None else folded + bias[...]
+
+
+def passes_input_bias_grad(bias: jax.Array | None, in_bias: jax.Array | None, w: jax.Array,
+                           contracted: int) -> jax.Array | None:
+    """bias (of a linear layer z = x w + bias whose input x holds a bias of its own, in_bias), as
+    it is, but with the gradient that reaches it passed on to in_bias too, through w: x = n +
+    in_bias gives d in_bias = sum_rows(dz) w^T = d bias w^T, the linear's own bias gradient times
+    its weight, a GEMV. This is how a norm's bias gets its gradient where the norm routes it to the
+    linears it feeds (`Norm.routed`): its backward then sums one column less over its [rows, D]
+    gradient. w: the weight as the GEMM reads it, its `contracted` leading axes x's. bias itself
+    where there is no in_bias (or no bias: a linear without one cannot carry it)."""
+    if in_bias is None or bias is None:
+        return bias
+    return bias + _zero_passing_grad(contracted, in_bias, w).astype(bias.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _zero_passing_grad(contracted: int, in_bias: jax.Array, w: jax.Array) -> jax.Array:
+    """0, shaped as w's output axes; its gradient g goes to in_bias as w g (none to w). The zeros
+    take in_bias's type (full_like): dp-varying inside the train step's dp shard_map, so that g
+    stays each shard's own, summed over shards once after the micro-batch loop as every gradient
+    is (zeros of no input's type took an all-reduce of g in every micro-batch)."""
+    return jax.lax.full_like(in_bias, 0, jnp.float32, shape=w.shape[contracted:])
+
+
+def _zero_passing_grad_fwd(contracted, in_bias, w):
+    return _zero_passing_grad(contracted, in_bias, w), w
+
+
+def _zero_passing_grad_bwd(contracted, w, g):
+    out = tuple(range(contracted, w.ndim))
+    return jnp.tensordot(w.astype(jnp.float32), g.astype(jnp.float32), axes=(out, tuple(range(g.ndim)))), None
+
+
+_zero_passing_grad.defvjp(_zero_passing_grad_fwd, _zero_passing_grad_bwd)
+
+
+def weight_as_read(kernel: nnx.Param, dtype: jnp.dtype) -> jax.Array:
+    """A weight as its GEMM in `dtype` (the compute dtype) reads it: the `Precast` copy, or the
+    parameter cast."""
+    w = kernel.get_value()
+    return w.c if isinstance(w, Precast) else w.astype(dtype)
 
 
 def project_out(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, bias: nnx.Param | None,
@@ -410,6 +452,24 @@ def _fence_bwd(_, g):
 fence.defvjp(_fence_fwd, _fence_bwd)
 
 
+@jax.custom_vjp
+def fence_gradient(x: jax.Array) -> jax.Array:
+    """x, whose gradient passes an optimization barrier (`fence`'s counterpart in the backward
+    pass): the kernel that writes the gradient takes none of its consumers' work."""
+    return x
+
+
+def _fence_gradient_fwd(x):
+    return x, None
+
+
+def _fence_gradient_bwd(_, g):
+    return (jax.lax.optimization_barrier(g),)
+
+
+fence_gradient.defvjp(_fence_gradient_fwd, _fence_gradient_bwd)
+
+
 def add_bias(y: jax.Array, bias: nnx.Param | jax.Array | None) -> jax.Array:
     """y + bias in y's dtype; y itself where the layer has no bias (model.bias=false)."""
     return y if bias is None else y + bias[...].astype(y.dtype)
@@ -423,14 +483,47 @@ class Norm(nnx.Module):
     (norm.py) where that GEMM is in fp8 or fsdp splits it (`gemm_epilogues`)."""
 
     def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None,
-                 feeds: str | None = None):
+                 feeds: str | None = None, after: str | None = None):
         self.rms = cfg.norm == "rmsnorm" if rms is None else rms
         self.scale = param(rngs, (d,), (axis,), 0) if cfg.norm_scale else None
         self.bias = param(rngs, (d,), (axis,), None) if cfg.bias and not self.rms else None
         self.flatten = axis == "embed"
         self.feeds_fp8 = feeds in cfg.fp8_linears()
+        self.routes_bias = feeds is not None and self.bias is not None
+        self.after_fp8 = None if after is None or not cfg.bias else after in cfg.fp8_linears()
+
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(the norm of x, its bias or None). With the bias, the caller's linears that read the
+        norm take its gradient (`passes_input_bias_grad`: each linear's bias gradient times its
+        weight), and the backward here sums the scale's gradient alone over its [rows, D]
+        gradient: that leaves room in its dx pass for the column sum of the residual branch's
+        bias gradient, a pass of its own before (XLA:GPU fuses at most two column sums into one
+        pass). Every linear the norm feeds must then have a bias (model.bias gives the norm and
+        the linears theirs alike) or one that provably gets no gradient (attention's k, `_qkv`).
+        Only where `gemm_epilogues` (fp8's backward sums its biases in the kernel that takes the
+        gradient's amax; fsdp's bias sums are reductions across devices) and not before an MoE."""
+        if not self.routes():
+            return self(x_BTD), None
+        return self._normalize(x_BTD, jax.lax.stop_gradient(self.bias[...])), self.bias[...]
+
+    def _fenced(self, x_BTD: jax.Array) -> jax.Array:
+        """x, whose gradient passes a barrier (`fence_gradient`) where this norm does not route its
+        bias's gradient but the residual branch before it (`after`) has its bias in its GEMM's
+        epilogue (`project_out`): that bias's gradient sum then stays out of this norm's dx pass,
+        which already takes two column sums (three do not fit: XLA:GPU took one of them out into
+        a pass that read x and g again; after the last block, ln_f wrote its dx in fp32 for the
+        sum's pass to read). After a routing norm's dx pass the sum goes in the pass itself."""
+        fenced = self.after_fp8 is not None and gemm_epilogues(self.after_fp8) and not self.routes()
+        return fence_gradient(x_BTD) if fenced else x_BTD
+
+    def routes(self) -> bool:
+        """Whether `routed` routes the bias's gradient (inside jit: fsdp is the mesh's)."""
+        return self.routes_bias and gemm_epilogues(self.feeds_fp8)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        return self._normalize(self._fenced(x_BTD), None if self.bias is None else self.bias[...])
+
+    def _normalize(self, x_BTD: jax.Array, bias: jax.Array | None) -> jax.Array:
         # [B, T, D] is normalised as [B*T, D] (B and T are one axis to the layout: T is never split).
         # Over [B, T, D] the backward pass sums the scale's and bias's gradients over two axes, and
         # XLA:GPU laid that out by transposing the activations to [T, D, B] and back, fp32, in every
@@ -438,8 +531,8 @@ class Norm(nnx.Module):
         # The backward pass is norm.py's own (bf16 in and out, no fp32 [N, D] temporary).
         x = x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD
         keep_stats = not gemm_epilogues(self.feeds_fp8)
-        value = lambda p: None if p is None else p[...]  # noqa: E731
-        return normalize(x, value(self.scale), value(self.bias), self.rms, keep_stats).reshape(x_BTD.shape)
+        scale = None if self.scale is None else self.scale[...]
+        return normalize(x, scale, bias, self.rms, keep_stats).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):
@@ -456,12 +549,20 @@ class MLP(nnx.Module):
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if cfg.bias else None
         self.kind, self.fp8 = cfg.mlp, cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, "mlp_in" in self.fp8), self.c_fc_bias)
+    def __call__(self, x_BTD: jax.Array, norm_bias: jax.Array | None = None) -> jax.Array:
+        """norm_bias: the bias of the norm before, which x holds and whose gradient the in (and
+        gate) layers' biases pass on (`Norm.routed`)."""
+        def bias(b: nnx.Param | None, kernel: nnx.Param) -> jax.Array | None:
+            if b is None or norm_bias is None:
+                return b
+            return passes_input_bias_grad(b[...], norm_bias, weight_as_read(kernel, x_BTD.dtype), 1)
+
+        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, "mlp_in" in self.fp8),
+                         bias(self.c_fc_bias, self.c_fc_kernel))
         gate_BTF = None
         if self.kind == "swiglu":
             gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, "mlp_gate" in self.fp8),
-                                self.c_gate_bias)
+                                bias(self.c_gate_bias, self.c_gate_kernel))
         # fp8: the activation's amax bounded from h (activation_amax), so its e4m3 cast computes the
         # activation from h itself and no kernel writes the activation in bf16
         amax = activation_amax(self.kind, h_BTF) if "mlp_out" in self.fp8 else None
@@ -469,3 +570,4 @@ class MLP(nnx.Module):
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF, keep_derivative=keep), "batch", "seq", "act_mlp")
         return project_out("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8, self.c_proj_bias,
                            amax)
+
