@@ -25,8 +25,8 @@
 #   auto     model.fp8=auto on gpt2-124m, gpt2-1.3b and the slice (issue 38: never slower than bf16;
 #            where plan says auto chose no layer, or every one, it is the bf16 or the fp8 program)
 #   cublas   gpt2-124m and gpt2-1.3b in bf16 with XLA's Triton GEMMs off, so every GEMM is a cuBLASLt call
-#            and the MLP's bias + GELU run in its epilogue (issue 40; predicted 909.5 -> 962.0 ms and
-#            3,853.1 -> 4,008.2 ms on an H100 at stop 55, docs/benchmarks.md): against bench124/bench13
+#            and the MLP's bias + GELU run in its epilogue (issue 40; predicted 902.7 -> 955.2 ms and
+#            3,843.7 -> 4,018.5 ms on an H100 at stop 56, docs/benchmarks.md): against bench124/bench13
 #   attention scripts/attention_bench.py: causal attention alone, forward and backward, at gpt2-124m's and
 #            gpt2-1.3b's shapes: cuDNN as the model calls it, cuDNN in BNTH layout, tokamax's Mosaic GPU
 #            and Triton flash attention, XLA; each against the fp32 reference (issue 40 item 2); then
