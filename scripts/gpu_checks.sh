@@ -21,7 +21,7 @@
 #   heldout  two steps the step-time model was never fit on (issue 40 item 3): gpt2-350m-shaped
 #            (24 x 1024, 8 micro-batches) and llama-1b (one micro-batch of 64 x 2048, as bundled)
 #   slice    llama-8b's 4-layer slice (one micro-batch of 8 x 8192, as bundled): bf16 and fp8 (remat=attention
-#            since stop 51: predicted 980.4 and 725.5 ms on an H100 at stop 54; 1,019.6 and 777.5 with remat=full at stop 51)
+#            since stop 51: predicted 980.4 and 722.2 ms on an H100 at stop 56; 1,019.6 and 777.5 with remat=full at stop 51)
 #   auto     model.fp8=auto on gpt2-124m, gpt2-1.3b and the slice (issue 38: never slower than bf16;
 #            where plan says auto chose no layer, or every one, it is the bf16 or the fp8 program)
 #   cublas   gpt2-124m and gpt2-1.3b in bf16 with XLA's Triton GEMMs off, so every GEMM is a cuBLASLt call

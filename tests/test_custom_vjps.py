@@ -72,6 +72,38 @@ def test_norm_value_and_gradients_match_autodiff(rms, with_scale, with_bias, sha
         jnp.abs(dx32).max()))
 
 
+@pytest.mark.parametrize("rms,with_scale,with_bias", [(False, True, True), (True, True, False), (False, False, False)])
+def test_norm_amax_bound_holds_and_the_norm_is_unchanged(rms, with_scale, with_bias):
+    """model/norm.py `normalize_with_amax`, the norm before an fp8 GEMM: y and every gradient are
+    `normalize`'s (statistics kept) bit for bit, in bf16, and the bound is >= max |y| over y as
+    rounded, on rows of very different spreads and with a scale and bias that peak where the
+    deviation does not; it is within 4x of max |y| there (so the e4m3 cast's largest value lands
+    in (fmax/8, fmax] at worst, one power of two lower than the exact amax's at most twice)."""
+    from jaxgpt.model.norm import normalize_with_amax
+    k = jax.random.split(jax.random.key(3), 5)
+    D = 64
+    x = (jax.random.normal(k[0], (256, D)) * jnp.exp(2 * jax.random.normal(k[1], (256, 1))) + 3).astype(jnp.bfloat16)
+    scale = 1 + jax.random.uniform(k[2], (D,), minval=-0.9, maxval=2.0) if with_scale else None
+    bias = jax.random.normal(k[3], (D,)) if with_bias else None
+    w = jax.random.normal(k[4], (256, D))
+
+    def loss(fn, x, scale, bias):
+        y = fn(x, scale, bias)
+        return jnp.sum((y[0] if isinstance(y, tuple) else y).astype(jnp.float32) * w)
+
+    plain = lambda x, s, b: normalize(x, s, b, rms, keep_stats=True)  # noqa: E731
+    bounded = lambda x, s, b: normalize_with_amax(x, s, b, rms)  # noqa: E731
+    y, amax = jax.jit(bounded)(x, scale, bias)
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(jax.jit(plain)(x, scale, bias), np.float32))
+    top = float(jnp.abs(y.astype(jnp.float32)).max())
+    assert amax.dtype == jnp.float32 and top <= float(amax) <= 4 * top, (top, float(amax))
+    grads = [jax.jit(jax.grad(loss, argnums=(1, 2, 3)), static_argnums=0)(fn, x, scale, bias) for fn in (plain, bounded)]
+    for a, b in zip(*grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("offset,spread", [(1000.0, 0.01), (-5e4, 1.0)])
 def test_recomputed_layernorm_statistics_hold_where_the_mean_dwarfs_the_spread(offset, spread):
     """model/norm.py's backward recomputes each row's statistics in one pass (sums of x, x^2, g and

@@ -56,8 +56,8 @@ from jaxgpt.errors import UserError
 from jaxgpt.gpu.target import target_device
 from jaxgpt.model import flash
 from jaxgpt.model.documents import Documents, packed_segments, visible
-from jaxgpt.model.layers import (STD, Norm, compute_dtype, dense, gemm_epilogues, param, passes_input_bias_grad,
-                                 project_out, weight_as_read)
+from jaxgpt.model.layers import (STD, FromNorm, Norm, compute_dtype, dense, gemm_epilogues, param,
+                                 passes_input_bias_grad, project_out, weight_as_read)
 from jaxgpt.model.positions import rope
 from jaxgpt.parallel.context import ways as cp_ways
 from jaxgpt.parallel.manual import per_shard
@@ -272,7 +272,7 @@ class Attention(nnx.Module):
         self.fp8 = cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
         self.position_reset, self.max_documents = cfg.position_reset, cfg.max_documents
 
-    def _qkv(self, x_BTD: jax.Array, norm_bias: jax.Array | None) -> tuple[jax.Array, ...]:
+    def _qkv(self, x_BTD: jax.Array, norm: FromNorm) -> tuple[jax.Array, ...]:
         """q [B, T, H, K], k and v [B, T, G, K], all named qkv, and v's bias [H, K] (or None), which
         the caller folds into attn_out's. The weights are fused (multi-head: c_attn [D, 3, H, K];
         grouped: q [D, H, K] and kv [D, 2, G, K]); each of q, k and v is a GEMM of its own on its
@@ -296,39 +296,40 @@ class Attention(nnx.Module):
         if not self.grouped:
             b = self.c_attn_bias
             b_q, b_k, b_v = (None, None, None) if b is None else tuple(b[...])
-            if norm_bias is not None:
+            if norm.bias is not None:
                 w = weight_as_read(self.c_attn_kernel, x_BTD.dtype)
-                b_q, b_k, b_v = (passes_input_bias_grad(b_i, norm_bias, w[:, i], 1) for i, b_i in enumerate((b_q, b_k, b_v)))
+                b_q, b_k, b_v = (passes_input_bias_grad(b_i, norm.bias, w[:, i], 1) for i, b_i in enumerate((b_q, b_k, b_v)))
             if drop:
                 b_k, b_v, v_bias = None if self.k_bias_cancels else b_k, None, b_v
-            q_BTHK, k_BTGK, v_BTGK = dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, fp8, split=True,
+            q_BTHK, k_BTGK, v_BTGK = dense("qkv", "btd,dshk->btshk", x_BTD, self.c_attn_kernel, fp8, norm.amax, split=True,
                                            bias=None if b is None else (b_q, b_k, b_v))
         else:
             q_bias = None if self.q_bias is None else self.q_bias[...]
-            if norm_bias is not None:
-                q_bias = passes_input_bias_grad(q_bias, norm_bias, weight_as_read(self.q_kernel, x_BTD.dtype), 1)
-            q_BTHK = dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, fp8, bias=q_bias)
+            if norm.bias is not None:
+                q_bias = passes_input_bias_grad(q_bias, norm.bias, weight_as_read(self.q_kernel, x_BTD.dtype), 1)
+            q_BTHK = dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, fp8, norm.amax, bias=q_bias)
             b = self.kv_bias
             b_k, b_v = (None, None) if b is None else tuple(b[...])
-            if norm_bias is not None:
+            if norm.bias is not None:
                 w = weight_as_read(self.kv_kernel, x_BTD.dtype)
-                b_k, b_v = (passes_input_bias_grad(b_i, norm_bias, w[:, i], 1) for i, b_i in enumerate((b_k, b_v)))
+                b_k, b_v = (passes_input_bias_grad(b_i, norm.bias, w[:, i], 1) for i, b_i in enumerate((b_k, b_v)))
             if drop:  # head h reads group h // (H/G)
                 v_bias = None if b_v is None else jnp.repeat(b_v, self.heads // b_v.shape[0], axis=0)
                 b_k, b_v = None if self.k_bias_cancels else b_k, None
-            k_BTGK, v_BTGK = dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, fp8, split=True,
+            k_BTGK, v_BTGK = dense("qkv", "btd,dsgk->btsgk", x_BTD, self.kv_kernel, fp8, norm.amax, split=True,
                                    bias=None if b is None else (b_k, b_v))
         return (*(shard(y, "batch", "seq", "act_heads", None) for y in (q_BTHK, k_BTGK, v_BTGK)), v_bias)
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
-                 docs: Documents | None = None, norm_bias: jax.Array | None = None):
+                 docs: Documents | None = None, norm: FromNorm = FromNorm()):
         """Training: x -> y. Decoding (kv given): the T new positions start at `pos`; they attend
         to the cache [B, S, G, K] updated with their own keys/values; returns (y, new kv).
-        `docs` (model.document_mask): each position sees only its own document. norm_bias: the
-        bias of the norm before, which x holds and whose gradient q, k and v's biases pass on
-        (`Norm.routed`; k's, where `_qkv` drops it, has none: its gradient is zero)."""
+        `docs` (model.document_mask): each position sees only its own document. norm: what the
+        norm before gives besides x (`Norm.routed`): its bias, which x holds and whose gradient q,
+        k and v's biases pass on (k's, where `_qkv` drops it, has none: its gradient is zero), and
+        a bound on max |x| for their fp8 cast."""
         dt = x_BTD.dtype
-        q_BTHK, k_BTGK, v_BTGK, v_bias_HK = self._qkv(x_BTD, norm_bias)
+        q_BTHK, k_BTGK, v_BTGK, v_bias_HK = self._qkv(x_BTD, norm)
         if self.qk_norm:
             q_BTHK, k_BTGK = self.q_norm(q_BTHK), self.k_norm(k_BTGK)
         if self.rope_theta is not None:

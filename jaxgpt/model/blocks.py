@@ -71,8 +71,8 @@ class Block(nnx.Module):
         """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
         or (x, kv, stats). `docs`: model.document_mask's documents (jaxgpt/model/documents.py)."""
         if kv is None:
-            n_BTD, norm_bias = self.ln_1.routed(x_BTD)
-            x_BTD = _residual(x_BTD, self.attn(n_BTD, docs=docs, norm_bias=norm_bias), gemm_epilogues(self.fp8_attn_out))
+            n_BTD, norm = self.ln_1.routed(x_BTD)
+            x_BTD = _residual(x_BTD, self.attn(n_BTD, docs=docs, norm=norm), gemm_epilogues(self.fp8_attn_out))
         else:
             y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos, docs)
             x_BTD = x_BTD + y_BTD

@@ -22,7 +22,7 @@ from jaxgpt.gpu.target import target_device
 from jaxgpt.model.activations import activate, activation_amax
 from jaxgpt.model.fp8 import (Prequantized, PrequantizedFp32Grad, einsum_operands, linear, output_slices, planned_dot,
                               prequantize, slice_spec)
-from jaxgpt.model.norm import normalize
+from jaxgpt.model.norm import normalize, normalize_with_amax
 from jaxgpt.parallel.mesh import shard, splits
 
 STD = 0.02
@@ -475,6 +475,13 @@ def add_bias(y: jax.Array, bias: nnx.Param | jax.Array | None) -> jax.Array:
     return y if bias is None else y + bias[...].astype(y.dtype)
 
 
+class FromNorm(NamedTuple):
+    """What the linear layers that read a norm's output take from the norm besides it
+    (`Norm.routed`): nothing by default."""
+    bias: jax.Array | None = None  # its bias, which they pass the gradient to (`passes_input_bias_grad`)
+    amax: jax.Array | None = None  # a bound on max |output| for their fp8 cast (norm.py `normalize_with_amax`)
+
+
 class Norm(nnx.Module):
     """LayerNorm (GPT-2) or RMSNorm over the last axis, in fp32, eps 1e-5. A learned scale unless
     model.norm_scale=false; a bias for LayerNorm with model.bias. `axis` names the normalised
@@ -492,8 +499,10 @@ class Norm(nnx.Module):
         self.routes_bias = feeds is not None and self.bias is not None
         self.after_fp8 = None if after is None or not cfg.bias else after in cfg.fp8_linears()
 
-    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(the norm of x, its bias or None). With the bias, the caller's linears that read the
+    def routed(self, x_BTD: jax.Array) -> tuple[jax.Array, FromNorm]:
+        """(the norm of x, `FromNorm`). Before an fp8 GEMM: with a bound on the output's max |y|
+        for its cast (norm.py `normalize_with_amax`, from the statistics' pass). Otherwise with
+        its bias, where it routes it: the caller's linears that read the
         norm take its gradient (`passes_input_bias_grad`: each linear's bias gradient times its
         weight), and the backward here sums the scale's gradient alone over its [rows, D]
         gradient: that leaves room in its dx pass for the column sum of the residual branch's
@@ -502,9 +511,16 @@ class Norm(nnx.Module):
         the linears theirs alike) or one that provably gets no gradient (attention's k, `_qkv`).
         Only where `gemm_epilogues` (fp8's backward sums its biases in the kernel that takes the
         gradient's amax; fsdp's bias sums are reductions across devices) and not before an MoE."""
+        if self.feeds_fp8 and self.flatten:
+            x = self._fenced(x_BTD)
+            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), *self._params(), self.rms)
+            return y.reshape(x_BTD.shape), FromNorm(amax=amax)
         if not self.routes():
-            return self(x_BTD), None
-        return self._normalize(x_BTD, jax.lax.stop_gradient(self.bias[...])), self.bias[...]
+            return self(x_BTD), FromNorm()
+        return self._normalize(x_BTD, jax.lax.stop_gradient(self.bias[...])), FromNorm(bias=self.bias[...])
+
+    def _params(self) -> tuple[jax.Array | None, jax.Array | None]:
+        return tuple(None if p is None else p[...] for p in (self.scale, self.bias))
 
     def _fenced(self, x_BTD: jax.Array) -> jax.Array:
         """x, whose gradient passes a barrier (`fence_gradient`) where this norm does not route its
@@ -549,24 +565,44 @@ class MLP(nnx.Module):
         self.c_proj_bias = param(rngs, (D,), ("embed",), None) if cfg.bias else None
         self.kind, self.fp8 = cfg.mlp, cfg.fp8_linears()  # the kinds in fp8 (model.fp8)
 
-    def __call__(self, x_BTD: jax.Array, norm_bias: jax.Array | None = None) -> jax.Array:
-        """norm_bias: the bias of the norm before, which x holds and whose gradient the in (and
-        gate) layers' biases pass on (`Norm.routed`)."""
+    def __call__(self, x_BTD: jax.Array, norm: FromNorm = FromNorm()) -> jax.Array:
+        """norm: what the norm before gives besides x (`Norm.routed`): its bias, which x holds and
+        whose gradient the in (and gate) layers' biases pass on, and a bound on max |x| for their
+        fp8 cast."""
         def bias(b: nnx.Param | None, kernel: nnx.Param) -> jax.Array | None:
-            if b is None or norm_bias is None:
+            if b is None or norm.bias is None:
                 return b
-            return passes_input_bias_grad(b[...], norm_bias, weight_as_read(kernel, x_BTD.dtype), 1)
+            return passes_input_bias_grad(b[...], norm.bias, weight_as_read(kernel, x_BTD.dtype), 1)
 
-        h_BTF = add_bias(dense("mlp_in", "btd,df->btf", x_BTD, self.c_fc_kernel, "mlp_in" in self.fp8),
-                         bias(self.c_fc_bias, self.c_fc_kernel))
+        def linear(kind: str, kernel: nnx.Param, b: nnx.Param | None, amax: jax.Array | None) -> jax.Array:
+            # in fp8 the bias goes in cuBLASLt's epilogue (fp8.py `_pre_forward`); in bf16 the
+            # activation's kernel adds it (where the GEMM's epilogue would write h in fp32 first)
+            if kind in self.fp8:
+                return dense(kind, "btd,df->btf", x_BTD, kernel, True, amax, bias=bias(b, kernel))
+            return add_bias(dense(kind, "btd,df->btf", x_BTD, kernel, False), bias(b, kernel))
+
+        h_BTF = linear("mlp_in", self.c_fc_kernel, self.c_fc_bias, norm.amax)
         gate_BTF = None
         if self.kind == "swiglu":
-            gate_BTF = add_bias(dense("mlp_gate", "btd,df->btf", x_BTD, self.c_gate_kernel, "mlp_gate" in self.fp8),
-                                bias(self.c_gate_bias, self.c_gate_kernel))
+            # under fsdp the gate's own copy of the norm's bound, after the in GEMM (a barrier): with
+            # the same one XLA:GPU merged the two fp8 GEMMs (which read the gathered weights) into
+            # one whose output it then split. Elsewhere they stay two GEMMs on one cast of x (the
+            # barrier made it two: the llama-8b slice in fp8 on one H100, 5,679.8 -> 5,690.1 ms)
+            amax = norm.amax
+            if amax is not None and not _slices_apart():
+                amax = jax.lax.optimization_barrier((amax, h_BTF))[0]
+            gate_BTF = linear("mlp_gate", self.c_gate_kernel, self.c_gate_bias, amax)
         # fp8: the activation's amax bounded from h (activation_amax), so its e4m3 cast computes the
         # activation from h itself and no kernel writes the activation in bf16
         amax = activation_amax(self.kind, h_BTF) if "mlp_out" in self.fp8 else None
         keep = gemm_epilogues("mlp_out" in self.fp8)  # the out GEMM's epilogue takes gelu's backward
+        if "mlp_in" in self.fp8 and not keep and self.c_fc_bias is not None:
+            # the activation's backward writes dh in bf16 for the fp8 GEMM's cast and bias sum to
+            # read (the pin `fp8.quantize` gives the cast alone): reading the unpinned dh, the sum
+            # made XLA:GPU write it in fp32 (gpt2-124m fp8 on one H100, 900.6 against 945.0 ms a
+            # step predicted). Not where the out GEMM's epilogue writes dh (`keep`), where the
+            # fence split the kernel that sums it from the one that writes it (954.0 against 969.0)
+            h_BTF = fence_gradient(h_BTF)
         h_BTF = shard(activate(self.kind, h_BTF, gate_BTF, keep_derivative=keep), "batch", "seq", "act_mlp")
         return project_out("mlp_out", "btf,fd->btd", h_BTF, self.c_proj_kernel, "mlp_out" in self.fp8, self.c_proj_bias,
                            amax)

@@ -53,14 +53,40 @@ def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms
     """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None.
     keep_stats: the forward keeps each row's mean and rstd for the backward, which otherwise
     recomputes them (module docstring: where each pays)."""
-    return _norm(x, scale, bias, rms, keep_stats)
+    return _norm(x, scale, bias, rms, keep_stats, False)
 
 
-def _stats(x32: jax.Array, rms: bool) -> tuple[jax.Array | None, jax.Array]:
-    """Per row: the mean [..., 1] (None for RMSNorm) and rstd [..., 1], fp32."""
+def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
+                        rms: bool) -> tuple[jax.Array, jax.Array]:
+    """(`normalize` keeping the statistics, an upper bound on max |y|: fp32, no gradient), for a
+    norm that feeds an fp8 GEMM, whose e4m3 cast needs max |y| for its scale (jaxgpt/model/fp8.py
+    `quantize`'s amax). |y_j| <= |x_j - mean| rstd |scale_j| + |bias_j|, so the bound is the
+    largest row's max |x - mean| rstd times max |scale| plus max |bias| (and 2^-7 more for y's
+    rounding to x's dtype). The row maxima come from the pass that sums the variance, which reads
+    the same x - mean: the cast's reduction over y itself was a pass over [rows, D] of its own
+    (gpt2-1.3b fp8 on one H100: two a layer and micro-batch). As activation_amax's, a bound:
+    the largest value then lands in (fmax/4, fmax] where |scale| and |bias| do not peak at the
+    largest deviation, not (fmax/2, fmax]."""
+    return _norm(x, scale, bias, rms, True, True)
+
+
+def _stats(x32: jax.Array, rms: bool, deviation: bool = False) -> tuple:
+    """Per row: the mean [..., 1] (None for RMSNorm) and rstd [..., 1], fp32; with `deviation`
+    also max |x - mean| [..., 1], a reduction of the variance's pass."""
     mean = None if rms else x32.mean(-1, keepdims=True)
     centred = x32 if rms else x32 - mean
-    return mean, jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + EPS)
+    rstd = jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + EPS)
+    if not deviation:
+        return mean, rstd
+    return mean, rstd, jnp.max(jnp.abs(centred), -1, keepdims=True)
+
+
+def _amax_bound(deviation: jax.Array, rstd: jax.Array, scale: jax.Array | None, bias: jax.Array | None) -> jax.Array:
+    """`normalize_with_amax`'s bound on max |y|."""
+    bound = jnp.max(deviation * rstd)
+    bound = bound if scale is None else bound * jnp.max(jnp.abs(scale))
+    bound = bound if bias is None else bound + jnp.max(jnp.abs(bias))
+    return jax.lax.stop_gradient(bound * (1 + 2.0 ** -7))
 
 
 def _xhat(x: jax.Array, mean: jax.Array | None, rstd: jax.Array) -> jax.Array:
@@ -75,19 +101,25 @@ def _apply(x, mean, rstd, scale, bias) -> jax.Array:
     return y.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _norm(x, scale, bias, rms, keep_stats):
-    return _apply(x, *_stats(x.astype(jnp.float32), rms), scale, bias)
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, scale, bias, rms, keep_stats, with_amax):
+    return _norm_fwd(x, scale, bias, rms, keep_stats, with_amax)[0]
 
 
-def _norm_fwd(x, scale, bias, rms, keep_stats):
+def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax):
+    if with_amax:
+        mean, rstd, deviation = _stats(x.astype(jnp.float32), rms, deviation=True)
+        y = (_apply(x, mean, rstd, scale, bias), _amax_bound(deviation, rstd, scale, bias))
+    else:
+        mean, rstd = _stats(x.astype(jnp.float32), rms)
+        y = _apply(x, mean, rstd, scale, bias)
     if not keep_stats:
-        return _norm(x, scale, bias, rms, keep_stats), (x, None, None, scale, bias)
-    mean, rstd = _stats(x.astype(jnp.float32), rms)
-    return _apply(x, mean, rstd, scale, bias), (x, mean, rstd, scale, bias)
+        return y, (x, None, None, scale, bias)
+    return y, (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(rms, keep_stats, res, g):
+def _norm_bwd(rms, keep_stats, with_amax, res, g):
+    g = g[0] if with_amax else g  # the bound has no gradient
     x, mean, rstd, scale, bias = res
     rows = tuple(range(x.ndim - 1))
     g32 = g.astype(jnp.float32)
