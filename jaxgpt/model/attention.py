@@ -297,7 +297,7 @@ class Attention(nnx.Module):
             b = self.c_attn_bias
             b_q, b_k, b_v = (None, None, None) if b is None else tuple(b[...])
             if norm.bias is not None:
-                w = weight_as_read(self.c_attn_kernel, x_BTD.dtype)
+                w = weight_as_read(self.c_attn_kernel.get_value(), x_BTD.dtype)
                 b_q, b_k, b_v = (passes_input_bias_grad(b_i, norm.bias, w[:, i], 1) for i, b_i in enumerate((b_q, b_k, b_v)))
             if drop:
                 b_k, b_v, v_bias = None if self.k_bias_cancels else b_k, None, b_v
@@ -306,12 +306,12 @@ class Attention(nnx.Module):
         else:
             q_bias = None if self.q_bias is None else self.q_bias[...]
             if norm.bias is not None:
-                q_bias = passes_input_bias_grad(q_bias, norm.bias, weight_as_read(self.q_kernel, x_BTD.dtype), 1)
+                q_bias = passes_input_bias_grad(q_bias, norm.bias, weight_as_read(self.q_kernel.get_value(), x_BTD.dtype), 1)
             q_BTHK = dense("qkv", "btd,dhk->bthk", x_BTD, self.q_kernel, fp8, norm.amax, bias=q_bias)
             b = self.kv_bias
             b_k, b_v = (None, None) if b is None else tuple(b[...])
             if norm.bias is not None:
-                w = weight_as_read(self.kv_kernel, x_BTD.dtype)
+                w = weight_as_read(self.kv_kernel.get_value(), x_BTD.dtype)
                 b_k, b_v = (passes_input_bias_grad(b_i, norm.bias, w[:, i], 1) for i, b_i in enumerate((b_k, b_v)))
             if drop:  # head h reads group h // (H/G)
                 v_bias = None if b_v is None else jnp.repeat(b_v, self.heads // b_v.shape[0], axis=0)

@@ -192,7 +192,7 @@ def dense(name: str, spec: str, x: jax.Array, kernel: nnx.Param, fp8: bool, x_am
     if isinstance(w, Prequantized) and not fp8:
         w = w.w
     if not fp8 and (b is not None or split or isinstance(w, PrecastFp32Grad)):
-        w_, c = (w.w, w.c) if isinstance(w, Precast) else (w, w.astype(x.dtype))
+        w_, c = w.w if isinstance(w, Precast) else w, weight_as_read(w, x.dtype)
         with jax.named_scope(name):
             return _precast_einsum(spec if parts is None else slice_spec(spec, parts), jnp.dtype(w_.dtype),
                                    isinstance(w, PrecastFp32Grad), parts, x, w_, c, b)
@@ -253,10 +253,9 @@ def _zero_passing_grad_bwd(contracted, w, g):
 _zero_passing_grad.defvjp(_zero_passing_grad_fwd, _zero_passing_grad_bwd)
 
 
-def weight_as_read(kernel: nnx.Param, dtype: jnp.dtype) -> jax.Array:
-    """A weight as its GEMM in `dtype` (the compute dtype) reads it: the `Precast` copy, or the
-    parameter cast."""
-    w = kernel.get_value()
+def weight_as_read(w: jax.Array | Precast, dtype: jnp.dtype) -> jax.Array:
+    """A weight parameter's value as its GEMM in `dtype` (the compute dtype) reads it: a
+    `Precast`'s copy, or the parameter cast."""
     return w.c if isinstance(w, Precast) else w.astype(dtype)
 
 
@@ -487,7 +486,10 @@ class Norm(nnx.Module):
     model.norm_scale=false; a bias for LayerNorm with model.bias. `axis` names the normalised
     dimension ('embed', or 'head_dim' for qk-norm, which is always RMS). `feeds`: the linear kind
     its output goes to ('qkv', 'mlp_in'): the forward keeps each row's statistics for the backward
-    (norm.py) where that GEMM is in fp8 or fsdp splits it (`gemm_epilogues`)."""
+    (norm.py) where that GEMM is in fp8 or fsdp splits it (`gemm_epilogues`), and `routed` decides
+    from it what the norm hands that GEMM. `after`: the residual projection's kind before it
+    ('attn_out', 'mlp_out'), whose bias's gradient sum `_fenced` keeps out of this norm's
+    backward where it does not route."""
 
     def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None,
                  feeds: str | None = None, after: str | None = None):
@@ -572,7 +574,7 @@ class MLP(nnx.Module):
         def bias(b: nnx.Param | None, kernel: nnx.Param) -> jax.Array | None:
             if b is None or norm.bias is None:
                 return b
-            return passes_input_bias_grad(b[...], norm.bias, weight_as_read(kernel, x_BTD.dtype), 1)
+            return passes_input_bias_grad(b[...], norm.bias, weight_as_read(kernel.get_value(), x_BTD.dtype), 1)
 
         def linear(kind: str, kernel: nnx.Param, b: nnx.Param | None, amax: jax.Array | None) -> jax.Array:
             # in fp8 the bias goes in cuBLASLt's epilogue (fp8.py `_pre_forward`); in bf16 the
