@@ -481,6 +481,60 @@ def test_fp8_gemm_outputs_are_rescaled_inside_the_gemm_or_their_consumer(compile
     assert fp8_gemms and not rescales, rescales
 
 
+def _f8_only_kernels(text: str, gpus: int) -> list[tuple[str, int, str, list[int], set[str], list]]:
+    """The kernels of a compiled step that read only fp8 arrays (and s32 indices) and write fp8:
+    copies, slices, transposes of e4m3/e5m2 arrays. Each as (name, executions a step, result
+    type, operand element counts, the ops it runs besides bitcasts and index arithmetic, and for
+    each operand where its data comes from, with that instruction's ops: (instruction or None,
+    ops)). Where it comes from is traced through get-tuple-elements, bitcasts, copies and loops:
+    a loop body's parameter is what the loop was given (a weight's once-a-step copy, made by the
+    cast before the loop), and a loop's result is the loop itself (a stack of saved activations
+    its iterations wrote)."""
+    comps, instrs = _instructions(text)
+    types = lambda shape: re.findall(r"\b([a-z][a-z0-9]*)\[", shape)  # noqa: E731
+    caller = {}  # loop body -> the while instruction that runs it
+    for i in instrs.values():
+        if i.opcode == "while" and (m := re.search(r"body=%([\w.\-]+)", i.line)):
+            caller[m.group(1)] = i
+    home = {j.name: comp for comp, body in comps.items() for j in body}
+
+    def ops(i) -> set[str]:
+        if not (m := re.search(r"calls=%([\w.\-]+)", i.line)):
+            return {i.opcode}
+        return {o for j in comps[m.group(1)] for o in (ops(j) if j.opcode == "fusion" else {j.opcode})
+                if o not in ("parameter", "constant", "bitcast", "tuple", "get-tuple-element")
+                and not re.match(r"(s32|u32|pred)\[\]", j.shape)}
+
+    def origin(name: str, index: list[int] | None = None):
+        i, index = instrs.get(name), list(index or [])
+        while i is not None:
+            if i.opcode == "get-tuple-element":
+                index.append(int(re.search(r"index=(\d+)", i.line).group(1)))
+                i = instrs.get(i.operands[0])
+            elif i.opcode == "tuple" and index:
+                i = instrs.get(i.operands[index.pop()])
+            elif i.opcode == "parameter" and index and home.get(i.name) in caller:
+                i = instrs.get(caller[home[i.name]].operands[0])  # the loop's own operand
+            elif i.opcode in ("bitcast", "copy") and i.operands:
+                i = instrs.get(i.operands[0])
+            else:
+                return i
+        return None
+
+    out = []
+    for k in cost.kernels(text, perf.perf("h100"), gpus)[0]:
+        i = instrs.get(k.name)
+        if k.group in (cost.GEMM, cost.ATTENTION) or i is None or i.opcode.startswith(("all-", "collective")):
+            continue
+        operands = [instrs[o].shape for o in i.operands if o in instrs]
+        ins = [t for shape in operands for t in types(shape)]
+        if ins and all(t.startswith("f8") or t == "s32" for t in ins) and any(t.startswith("f8") for t in types(i.shape)):
+            sources = [origin(o) for o in i.operands if not re.match(r"s32\[", instrs[o].shape)]
+            out.append((k.name, k.times, i.shape, [_elements(s) for s in operands], ops(i),
+                        [(p, ops(p) if p is not None else set()) for p in sources]))
+    return out
+
+
 @needs_plugin
 def test_fp8_moves_no_standalone_f8_copy_per_micro_batch(compiled):
     """gpt2-124m with model.fp8=true as bundled (2 of its layers, 4 micro-batches of 128 x 1,024
@@ -490,21 +544,88 @@ def test_fp8_moves_no_standalone_f8_copy_per_micro_batch(compiled):
     remains runs once a step and reads a block weight's e4m3 copy: attn_out's transposed per layer,
     each layer's QKV weight, and its q, k and v slices for their own forward GEMMs (once a step,
     where slicing the copy in the loop copied each slice every micro-batch)."""
-    text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
-    _, instrs = _instructions(text)
-    types = lambda shape: re.findall(r"\b([a-z][a-z0-9]*)\[", shape)  # noqa: E731
     D, F, L = 768, 3072, 2
     weights = {n * layers for n in (D * 3 * D, D * D, D * F) for layers in (1, L)}
-    f8_only = []
-    for k in cost.kernels(text, perf.perf("h100"), 1)[0]:
-        if k.group in (cost.GEMM, cost.ATTENTION) or k.name not in instrs:
-            continue
-        operands = [instrs[o].shape for o in instrs[k.name].operands if o in instrs]
-        ins = [t for shape in operands for t in types(shape)]
-        if ins and all(t.startswith("f8") or t == "s32" for t in ins) and any(
-                t.startswith("f8") for t in types(instrs[k.name].shape)):
-            f8_only.append((k.name, k.times, instrs[k.name].shape, [_elements(s) for s in operands]))
-    assert f8_only and all(times == 1 and any(n in weights for n in reads) for _, times, _, reads in f8_only), f8_only
+    f8_only = _f8_only_kernels(compiled["gpt2_one_gpu_fp8"].compiled.as_text(), 1)
+    assert f8_only and all(times == 1 and any(n in weights for n in reads) for _, times, _, reads, *_ in f8_only), f8_only
+
+
+@needs_plugin
+def test_xla_slices_a_stacked_bf16_gemm_operand_in_place_but_copies_an_fp8_one(h100s):
+    """Why a scanned model in fp8 copies f8 arrays inside its layer loop (the layer's slice of each
+    weight's once-a-step e4m3 copy, and its saved e4m3 activations into and out of their stack),
+    where a bf16 model reads them in place: XLA:GPU's dynamic-slice fusion hands a cuBLASLt GEMM
+    the address of its operand's slice, for `__cublas$lt$matmul` but not for the fp8 call
+    `__cublas$lt$matmul$f8`, so an fp8 GEMM reads a copy of the slice. The llama-8b slice with
+    fp8 (4 scanned layers, one H100) spends 19.9 of its 5,679.8 ms a step predicted on such
+    copies. When XLA extends the fusion to fp8 calls this fails: then drop the allowance for loop
+    slices in test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must."""
+    from jaxgpt.gpu.target import FP8_OPTIONS
+
+    def layers(x, ws):
+        def body(i, acc):
+            w = jax.lax.dynamic_index_in_dim(ws, i, keepdims=False)
+            return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jax.numpy.bfloat16)
+        return jax.lax.fori_loop(0, ws.shape[0], body, jax.numpy.zeros((x.shape[0], ws.shape[1]), jax.numpy.bfloat16))
+
+    one = jax.sharding.SingleDeviceSharding(h100s[0])
+    in_place = {}
+    for dtype, gemm in ((jax.numpy.bfloat16, "__cublas$lt$matmul"), (jax.numpy.float8_e4m3fn, "__cublas$lt$matmul$f8")):
+        x = jax.ShapeDtypeStruct((1024, 512), dtype, sharding=one)
+        ws = jax.ShapeDtypeStruct((4, 768, 512), dtype, sharding=one)
+        text = jax.jit(layers).lower(x, ws).compile(FP8_OPTIONS).as_text()
+        assert f'custom_call_target="{gemm}"' in text, dtype
+        in_place[jax.numpy.dtype(dtype).name] = '"custom_fusion_config":{"name":"dynamic_slice_fusion"' in text
+    assert in_place == {"bfloat16": True, "float8_e4m3fn": False}
+
+
+@needs_plugin
+def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(compiled):
+    """Issue 38 item 1 on every fp8 layout: a kernel that runs more than once a step (in the
+    micro-batch or the layer loop) and moves only fp8 data is one of the kinds XLA needs:
+    - a scanned layer's slice of a stacked f8 array, or its write into one (and the stack's
+      initial fill): a GEMM cannot read an f8 slice in place (the test above). A slice of saved
+      activations (a stack the forward loop wrote) may be transposed for the dw GEMM as it is
+      copied; a slice of a weight's once-a-step copies may not (it is made in the GEMM's layout);
+    - under fsdp, the transpose of a weight the all-gather returned (grouped-query q and kv joined
+      in it), for the forward GEMM's K-major operand. Gathering a transposed copy as well
+      (prequantize's q_t) would trade it for a second gather a use: llama-8b on 8 H100s, fsdp=8,
+      5,282.3 -> 5,250.8 ms predicted, but 1.36x the all-gather bytes, not item 2's half of bf16's.
+    Never a copy or transpose of a block weight's e4m3 copy otherwise (making q_t nowhere: dp8's
+    scanned layers transpose a weight's slice per layer, which fails here). On the strict layouts
+    also no activation's or gradient's: each cast writes its transposed twin itself. Not so on
+    the layouts with 2 sequences a device and micro-batch (fsdp8_remat_full_fp8,
+    dp4_tp2_remat_dots_no_batch_fp8, modern), where XLA transposes a cast's output in a kernel of
+    its own at these widths (at gpt2-124m's, 2 layers on fsdp=8 with remat=full, it does so for the
+    recomputed norms' outputs: 0.41 of 95.8 ms a step predicted), nor on the pipeline's and the
+    fp8 head's (the head transposes its e4m3 table in every chunk: XLA's layout assignment puts a
+    transposed copy made before the chunk loop back in the table's layout): there a kernel may
+    also transpose the output of a cast in its own loop body (or the fp8 head's table), no more."""
+    strict = {"dp8_accum2_fp8", "fsdp8_accum2_remat_full_fp8", "dp2_fsdp4_accum2_remat_dots_fp8"}
+    assert strict <= set(FP8_LAYOUTS)
+    for name in [*FP8_LAYOUTS, "modern"]:
+        mesh, overrides = TINY_LAYOUTS.get(name) or ("dp=2,fsdp=2,tp=2", MODERN)
+        m = tiny_config(*overrides, mesh=mesh).model
+        table = m.padded_vocab * m.n_embd // (2 if "tp=2" in mesh else 1)  # the fp8 head's, split over tp
+        moved = []
+        text = compiled[name].compiled.as_text()
+        home = {j.name: comp for comp, body in _instructions(text)[0].items() for j in body}
+        for kernel, times, shape, reads, ops, sources in _f8_only_kernels(text, 8):
+            sliced = bool(ops & {"dynamic-slice", "dynamic-update-slice"})
+            loop = sliced and ops <= {"dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "copy"}
+            saved = sliced and ops <= {"dynamic-slice", "transpose"} and all(
+                p is not None and p.opcode == "while" for p, _ in sources)  # a saved activation's slice
+            fill = ops == {"copy"} and all(p_ops == {"broadcast"} for _, p_ops in sources)
+            gathered = "transpose" in ops and ops <= {"transpose", "concatenate"} and all(
+                p is not None and p.opcode.startswith("all-gather") for p, _ in sources)
+            if times == 1 or loop or saved or fill or gathered:
+                continue
+            # elsewhere only a cast's output, transposed apart (or the fp8 head's table, each chunk)
+            cast = all("convert" in p_ops and p.opcode == "fusion" and home.get(p.name) == home.get(kernel)
+                       for p, p_ops in sources)
+            if name in strict or not (cast or (m.fp8_head and reads == [table])):
+                moved.append((kernel, times, shape, sorted(ops), [p and p.name for p, _ in sources]))
+        assert not moved, (name, moved)
 
 
 @needs_plugin
