@@ -375,6 +375,33 @@ def _nearest(key: str, options) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+# What nanoGPT, nanochat, torchtitan and MaxText call some of our keys (the part after the section)
+OTHER_NAMES = {"learning_rate": "optimizer.lr", "lr_min": "optimizer.min_lr_ratio",
+               "warmup_iters": "optimizer.warmup_steps", "warmup": "optimizer.warmup_steps",
+               "max_iters": "train.steps", "max_steps": "train.steps", "num_iterations": "train.steps",
+               "training_steps": "train.steps", "block_size": "model.seq_len", "max_seq_len": "model.seq_len",
+               "seq_length": "model.seq_len", "max_target_length": "model.seq_len",
+               "gradient_accumulation_steps": "train.grad_accum", "grad_accum_steps": "train.grad_accum",
+               "eval_interval": "train.eval_every", "eval_iters": "train.eval_batches",
+               "log_interval": "logging.every", "grad_clip_norm": "optimizer.grad_clip",
+               "max_norm": "optimizer.grad_clip", "n_heads": "model.n_head", "n_layers": "model.n_layer",
+               "dim": "model.n_embd", "emb_dim": "model.n_embd", "num_experts": "model.moe_experts",
+               "checkpoint_interval": "checkpoint.every", "init_from": "checkpoint.init_from"}
+
+
+def _nearest_key(key: str, keys) -> str:
+    """'; did you mean ...?' for an unknown dotted key: a close name in its own section, else the
+    same or a close name in another ('train.lr' -> 'optimizer.lr') or the key another trainer's
+    name stands for ('learning_rate'), else the closest spelling of the whole key."""
+    section, _, name = key.rpartition(".")
+    own = {k.rsplit(".", 1)[-1]: k for k in keys if k.startswith(section + ".")}
+    anywhere = {**OTHER_NAMES, **{k.rsplit(".", 1)[-1]: k for k in reversed(list(keys))}}
+    for names in (own, anywhere):
+        if close := difflib.get_close_matches(name, list(names), n=1, cutoff=0.75) if len(name) <= 200 else []:
+            return f"; did you mean '{names[close[0]]}'?"
+    return _nearest(key, keys)
+
+
 def _coerce(key: str, raw: Any, f: dataclasses.Field) -> Any:
     """Turn a YAML/CLI value into the field's type, or explain why it cannot be."""
     want = type(f.default)
@@ -433,7 +460,7 @@ def _apply(cfg: Config, flat: dict[str, Any], source: str) -> Config:
     updates: dict[str, dict[str, Any]] = {}
     for key, raw in flat.items():
         if key not in keys:
-            raise UserError(f"unknown config key '{key}' in {source}{_nearest(key, keys)}")
+            raise UserError(f"unknown config key '{key}' in {source}{_nearest_key(key, keys)}")
         section, name = key.split(".", 1)
         updates.setdefault(section, {})[name] = _coerce(key, raw, keys[key])
     return dataclasses.replace(

@@ -25,6 +25,11 @@ def test_no_config_is_the_shakespeare_default():
 @pytest.mark.parametrize("override, message", [
     ("model.n_layr=3", "did you mean 'model.n_layer'"),
     ("trian.steps=3", "did you mean 'train.steps'"),
+    ("train.lr=3e-4", "did you mean 'optimizer.lr'"),  # the name, in another section
+    ("train.learning_rate=3e-4", "did you mean 'optimizer.lr'"),  # what nanoGPT calls it
+    ("train.max_iters=100", "did you mean 'train.steps'"),
+    ("model.block_size=256", "did you mean 'model.seq_len'"),
+    ("checkpoint.evry=5", "did you mean 'checkpoint.every'"),  # its own section's, not logging.every
     ("model.n_layer=three", "wants an int"),
     ("model.dtype=bf16", "did you mean 'bfloat16'"),
     ("train.steps", "section.key=value"),
