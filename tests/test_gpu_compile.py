@@ -598,9 +598,9 @@ def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(c
     dp4_tp2_remat_dots_no_batch_fp8, modern), where XLA transposes a cast's output in a kernel of
     its own at these widths (at gpt2-124m's, 2 layers on fsdp=8 with remat=full, it does so for the
     recomputed norms' outputs: 0.41 of 95.8 ms a step predicted), nor on the pipeline's and the
-    fp8 head's (the head transposes its e4m3 table in every chunk: XLA's layout assignment puts a
-    transposed copy made before the chunk loop back in the table's layout): there a kernel may
-    also transpose the output of a cast in its own loop body (or the fp8 head's table), no more."""
+    fp8 head's (the head transposes its e4m3 table once a micro-batch, in a kernel of its own, for
+    its dx GEMMs; unpinned, in every chunk: jaxgpt/model/loss.py): there a kernel may also
+    transpose the output of a cast in its own loop body (or the fp8 head's table), no more."""
     strict = {"dp8_accum2_fp8", "fsdp8_accum2_remat_full_fp8", "dp2_fsdp4_accum2_remat_dots_fp8"}
     assert strict <= set(FP8_LAYOUTS)
     for name in [*FP8_LAYOUTS, "modern"]:
