@@ -386,7 +386,7 @@ OTHER_NAMES = {"learning_rate": "optimizer.lr", "lr_min": "optimizer.min_lr_rati
                "log_interval": "logging.every", "grad_clip_norm": "optimizer.grad_clip",
                "max_norm": "optimizer.grad_clip", "n_heads": "model.n_head", "n_layers": "model.n_layer",
                "dim": "model.n_embd", "emb_dim": "model.n_embd", "num_experts": "model.moe_experts",
-               "checkpoint_interval": "checkpoint.every", "init_from": "checkpoint.init_from"}
+               "checkpoint_interval": "checkpoint.every"}
 
 
 def _nearest_key(key: str, keys) -> str:

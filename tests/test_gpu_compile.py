@@ -485,8 +485,8 @@ def _f8_only_kernels(text: str, gpus: int) -> list[tuple[str, int, str, list[int
     """The kernels of a compiled step that read only fp8 arrays (and s32 indices) and write fp8:
     copies, slices, transposes of e4m3/e5m2 arrays. Each as (name, executions a step, result
     type, operand element counts, the ops it runs besides bitcasts and index arithmetic, and for
-    each operand where its data comes from, with that instruction's ops: (instruction or None,
-    ops)). Where it comes from is traced through get-tuple-elements, bitcasts, copies and loops:
+    each operand where its data comes from: (instruction or None, its ops, whether it is in the
+    kernel's own computation)). Where it comes from is traced through get-tuple-elements, bitcasts, copies and loops:
     a loop body's parameter is what the loop was given (a weight's once-a-step copy, made by the
     cast before the loop), and a loop's result is the loop itself (a stack of saved activations
     its iterations wrote)."""
@@ -531,7 +531,8 @@ def _f8_only_kernels(text: str, gpus: int) -> list[tuple[str, int, str, list[int
         if ins and all(t.startswith("f8") or t == "s32" for t in ins) and any(t.startswith("f8") for t in types(i.shape)):
             sources = [origin(o) for o in i.operands if not re.match(r"s32\[", instrs[o].shape)]
             out.append((k.name, k.times, i.shape, [_elements(s) for s in operands], ops(i),
-                        [(p, ops(p) if p is not None else set()) for p in sources]))
+                        [(p, set(), False) if p is None else (p, ops(p), home.get(p.name) == home.get(k.name))
+                         for p in sources]))
     return out
 
 
@@ -608,23 +609,21 @@ def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(c
         m = tiny_config(*overrides, mesh=mesh).model
         table = m.padded_vocab * m.n_embd // (2 if "tp=2" in mesh else 1)  # the fp8 head's, split over tp
         moved = []
-        text = compiled[name].compiled.as_text()
-        home = {j.name: comp for comp, body in _instructions(text)[0].items() for j in body}
-        for kernel, times, shape, reads, ops, sources in _f8_only_kernels(text, 8):
+        for kernel, times, shape, reads, ops, sources in _f8_only_kernels(compiled[name].compiled.as_text(), 8):
             sliced = bool(ops & {"dynamic-slice", "dynamic-update-slice"})
             loop = sliced and ops <= {"dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "copy"}
             saved = sliced and ops <= {"dynamic-slice", "transpose"} and all(
-                p is not None and p.opcode == "while" for p, _ in sources)  # a saved activation's slice
-            fill = ops == {"copy"} and all(p_ops == {"broadcast"} for _, p_ops in sources)
+                p is not None and p.opcode == "while" for p, _, _ in sources)  # a saved activation's slice
+            fill = ops == {"copy"} and all(p_ops == {"broadcast"} for _, p_ops, _ in sources)
             gathered = "transpose" in ops and ops <= {"transpose", "concatenate"} and all(
-                p is not None and p.opcode.startswith("all-gather") for p, _ in sources)
+                p is not None and p.opcode.startswith("all-gather") for p, _, _ in sources)
             if times == 1 or loop or saved or fill or gathered:
                 continue
             # elsewhere only a cast's output, transposed apart (or the fp8 head's table, each chunk)
-            cast = all("convert" in p_ops and p.opcode == "fusion" and home.get(p.name) == home.get(kernel)
-                       for p, p_ops in sources)
+            cast = all(p is not None and p.opcode == "fusion" and "convert" in p_ops and own
+                       for p, p_ops, own in sources)
             if name in strict or not (cast or (m.fp8_head and reads == [table])):
-                moved.append((kernel, times, shape, sorted(ops), [p and p.name for p, _ in sources]))
+                moved.append((kernel, times, shape, sorted(ops), [p and p.name for p, _, _ in sources]))
         assert not moved, (name, moved)
 
 

@@ -522,6 +522,7 @@ class Norm(nnx.Module):
         return self._normalize(x_BTD, jax.lax.stop_gradient(self.bias[...])), FromNorm(bias=self.bias[...])
 
     def _params(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """(scale, bias): each parameter's value, or None where the norm has none."""
         return tuple(None if p is None else p[...] for p in (self.scale, self.bias))
 
     def _fenced(self, x_BTD: jax.Array) -> jax.Array:
@@ -539,7 +540,7 @@ class Norm(nnx.Module):
         return self.routes_bias and gemm_epilogues(self.feeds_fp8)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        return self._normalize(self._fenced(x_BTD), None if self.bias is None else self.bias[...])
+        return self._normalize(self._fenced(x_BTD), self._params()[1])
 
     def _normalize(self, x_BTD: jax.Array, bias: jax.Array | None) -> jax.Array:
         # [B, T, D] is normalised as [B*T, D] (B and T are one axis to the layout: T is never split).
@@ -549,8 +550,7 @@ class Norm(nnx.Module):
         # The backward pass is norm.py's own (bf16 in and out, no fp32 [N, D] temporary).
         x = x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD
         keep_stats = not gemm_epilogues(self.feeds_fp8)
-        scale = None if self.scale is None else self.scale[...]
-        return normalize(x, scale, bias, self.rms, keep_stats).reshape(x_BTD.shape)
+        return normalize(x, self._params()[0], bias, self.rms, keep_stats).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):
