@@ -257,14 +257,15 @@ class Checkpointer:
                             for reason, names in groups.items())
             raise UserError(f"no checkpoint in {self.directory} can be read: {why}; move them away to start over")
         if set_aside:
-            self._remove_unfinished(sorted(self.directory.glob(f"*{TMP_SUFFIX}*")))
+            self.remove_unfinished()
             self._set_aside(skipped)
         else:
             for path, reason in skipped:
                 _warn(f"skipping checkpoint {path}: {reason}")
         return restored
 
-    def check_config_changes(self, step: int, config: Config, data_state: dict) -> None:
+    def check_config_changes(self, step: int, config: Config, data_state: dict, stored: dict | None = None,
+                             where: Path | None = None) -> None:
         """Compares this run's config with the one checkpoint `step` was saved with. A change of the
         model (`_model_changes`) is a UserError: the parameters fit, but they were trained as another
         model. Allowed, with one warning line each: other MoE routing; another learning-rate
@@ -273,8 +274,10 @@ class Checkpointer:
         read any (a data switch mid-run is legitimate, but the saved data position then counts
         records of a different stream). A data.path that names the same directory otherwise
         (relative, absolute) is no change, nor is data.path where both runs read a data.mix (the
-        mix replaces it)."""
-        stored = self.stored_config(step)
+        mix replaces it). `stored` and `where`: the config and path of a step read from elsewhere (the
+        local tier, jaxgpt/resilience/local_tier.py) instead of this directory's step."""
+        stored = self.stored_config(step) if stored is None else stored
+        where = self.step_path(step) if where is None else where
         if not stored:
             return
         now = config.to_dict()
@@ -283,16 +286,16 @@ class Checkpointer:
         except UserError:  # a hand-edited value: compared by key below only
             was = None
         if was is not None and (changed := _model_changes(was.model, config.model)):
-            raise UserError(f"checkpoint {self.step_path(step)} was trained as another model: {', '.join(changed)} "
+            raise UserError(f"checkpoint {where} was trained as another model: {', '.join(changed)} "
                             f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
                             f"from it with checkpoint.init_from={self.directory.parent}")
         changed = _changed(stored, now, ROUTING_KEYS) if config.model.moe_experts else []
         if changed:
-            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the run continues "
+            _warn(f"{', '.join(changed)} (checkpoint {where} -> this run): the run continues "
                   f"with other MoE routing")
         if step < config.train.steps and (changed := _changed(stored, now, SCHEDULE_KEYS)):
             rates = _next_rates(was, config, step) if was is not None else None
-            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the learning-rate "
+            _warn(f"{', '.join(changed)} (checkpoint {where} -> this run): the learning-rate "
                   f"schedule is recomputed" + (f"; step {step + 1} trains at {rates[1]:.3g}, not {rates[0]:.3g}"
                                                if rates else ""))
         if not data_state.get("next_index"):  # nothing read yet (a fresh or imported run): no stream to continue
@@ -303,8 +306,12 @@ class Checkpointer:
         path_moot = same_path or bool(was_data.get("mix") and now_data["mix"])  # a mix replaces data.path
         changed = _changed(stored, now, tuple(k for k in DATA_KEYS if not (k == "data.path" and path_moot)))
         if changed:
-            _warn(f"{', '.join(changed)} (checkpoint {self.step_path(step)} -> this run): the data iterator "
+            _warn(f"{', '.join(changed)} (checkpoint {where} -> this run): the data iterator "
                   f"resumes at its saved position in the new data, not the same stream")
+
+    def remove_unfinished(self) -> None:
+        """Deletes this directory's half-written saves (what a resume does; `_remove_unfinished`)."""
+        self._remove_unfinished(sorted(self.directory.glob(f"*{TMP_SUFFIX}*")))
 
     def _remove_unfinished(self, paths: list[Path]) -> None:
         """Deletes half-written saves (Orbax's temporary directories, never a checkpoint), one
@@ -346,11 +353,11 @@ class Checkpointer:
         if not (path / COMMIT_MARKER).exists():
             why = "no commit marker (an interrupted save)"
         else:
-            with _held_stderr() as held:
+            with held_stderr() as held:
                 try:
                     stored = self.manager.item_metadata(step)["state"]
                 except Exception as e:  # noqa: BLE001 - any failure to read means damage
-                    why = f"metadata unreadable ({_describe(e, path)})"
+                    why = f"metadata unreadable ({describe_error(e, path)})"
                 else:
                     if stored is None:  # Orbax's answer when state/_METADATA is gone
                         why = "metadata unreadable (no metadata for its state)"
@@ -361,10 +368,10 @@ class Checkpointer:
                         try:
                             restored = self._restore(step, abstract, params_only)
                         except Exception as e:  # noqa: BLE001
-                            why = f"unreadable ({_describe(e, path)})"
+                            why = f"unreadable ({describe_error(e, path)})"
                 if restored is not None:
                     held.release()
-        if not _everyone(restored is not None):
+        if not everyone(restored is not None):
             return None, why or "unreadable on another process"
         return restored, why
 
@@ -372,11 +379,11 @@ class Checkpointer:
         path = self.step_path(step)
         if params_only:
             params = _read_params(path, abstract)
-            _require_finite(params)
+            require_finite(params)
             return Restored(step, TrainState(jnp.asarray(step, jnp.int32), params, None), {}, path)
         out = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
-        _require_finite(out.state.params)
+        require_finite(out.state.params)
         data_state = out.data
         if not (isinstance(data_state, dict) and type(data_state.get("next_index")) is int
                 and data_state["next_index"] >= 0):  # Grain's iterator position, read back by set_state
@@ -407,14 +414,14 @@ def _all_finite(params) -> jax.Array:
                               if jnp.issubdtype(x.dtype, jnp.inexact)]))
 
 
-def _require_finite(params) -> None:
+def require_finite(params) -> None:
     """ValueError (so the step counts as damaged) if a restored parameter is NaN or infinite: jaxgpt
     never saves a diverged state, so such a step was damaged on disk (OCDBT stores no checksums)."""
     if not bool(_all_finite(params)):
         raise ValueError("its parameters hold NaN or infinite values")
 
 
-def _describe(e: Exception, step_dir: Path) -> str:
+def describe_error(e: Exception, step_dir: Path) -> str:
     """An exception in a few words, paths relative to the step's directory. TensorStore's messages
     (`CODE: context: context ... file "F": cause [tensorstore_spec=...]`) become `CODE in F: cause`:
     the innermost file and what is wrong with it, the same for two steps damaged alike."""
@@ -429,7 +436,7 @@ def _describe(e: Exception, step_dir: Path) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
-def _everyone(ok: bool) -> bool:
+def everyone(ok: bool) -> bool:
     """Whether `ok` holds on every process (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return ok
@@ -446,7 +453,7 @@ class _Held:
 
 
 @contextlib.contextmanager
-def _held_stderr():
+def held_stderr():
     """Holds file descriptor 2 in a temporary file for one read attempt; see the module docstring."""
     held = _Held()
     sys.stderr.flush()

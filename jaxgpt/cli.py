@@ -9,6 +9,11 @@ Exit codes (documented in the README):
        one `error: ...` line on stderr
     3  training stopped because the loss became non-finite
     75 preempted (SIGTERM or Ctrl-C): a checkpoint was committed, re-run the same command to resume
+    76 hung: a step, an input wait, an evaluation or a checkpoint wait outlived train.hang_timeout or
+       train.compile_timeout; each process wrote its Python stacks to RUN_DIR/hangs/ and said which
+       process the others wait for (jaxgpt/resilience/watchdog.py); restartable
+    77 too few processes: an elastic restart (launch_multihost.sh --min-processes) has fewer processes
+       than can keep the run's global batch; the checkpoints are intact (jaxgpt/resilience/elastic.py)
     130 Ctrl-C where there was nothing to save (starting up, a second Ctrl-C): one `interrupted` line
 """
 
@@ -27,6 +32,7 @@ from jaxgpt import _quiet
 from jaxgpt.errors import UserError
 
 EXIT_OK, EXIT_FAILED, EXIT_USER_ERROR, EXIT_DIVERGED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 2, 3, 75, 130
+EXIT_HUNG, EXIT_TOO_FEW_PROCESSES = 76, 77
 
 
 class Diverged(UserError):
@@ -35,6 +41,10 @@ class Diverged(UserError):
 
 class Preempted(Exception):
     """Training stopped on request after committing a resumable checkpoint."""
+
+
+class TooFewProcesses(Exception):
+    """An elastic restart cannot keep the global batch on the processes left (exit 77)."""
 
 
 class StepFailed(Exception):
@@ -82,6 +92,9 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except StepFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
+    except TooFewProcesses as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_TOO_FEW_PROCESSES
     except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
         _say_interrupted()
         return EXIT_INTERRUPTED

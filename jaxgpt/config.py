@@ -261,6 +261,14 @@ class TrainConfig:
     eval_every: int = _f(50, "evaluate val loss every N steps (and at the first and last step); 0 disables",
                          range=NONNEGATIVE)
     eval_batches: int = _f(4, "fixed val batches (of batch_size sequences) per evaluation", range=POSITIVE)
+    hang_timeout: float = _f(0.0, "seconds a step or an input wait may take before the run counts as hung: every "
+                             "process writes its Python stacks to RUN_DIR/hangs/, names the process the others wait "
+                             "for and exits 76 (restartable); 0 = auto: 20 x the median step time after 10 steps, "
+                             "at least 60 s; -1 = no watchdog", range=Range(0, extra=(-1,)))
+    compile_timeout: float = _f(1800.0, "the same bound, in seconds, for what may legitimately take longer than a "
+                                "step: start-up (restore, compile) to the end of the first step, an evaluation, a "
+                                "checkpoint wait (and for steps while hang_timeout=0 has no median yet)",
+                                range=POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -307,6 +315,11 @@ class CheckpointConfig:
     every: int = _f(100, "save a checkpoint every N steps (always at the end and on SIGTERM); 0: only then",
                     range=NONNEGATIVE)
     keep: int = _f(3, "keep the newest N checkpoints", range=POSITIVE)
+    local_every: int = _f(0, "also save each process's own shards every N steps to host-local storage "
+                          "(checkpoint.local_dir); a restart resumes from the newest step complete on every process "
+                          "in either tier (jaxgpt/resilience/local_tier.py); 0: off", range=NONNEGATIVE)
+    local_dir: str = _f("", "host-local directory for checkpoint.local_every, e.g. /dev/shm/jaxgpt (memory) or a "
+                        "local SSD; every process writes its own subdirectory, never read by another host")
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
@@ -576,6 +589,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         raise UserError(f"model.loss_chunk={m.loss_chunk} does not divide model.seq_len={m.seq_len}")
     if m.n_embd % m.n_head:
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
+    if cfg.checkpoint.local_every and not cfg.checkpoint.local_dir.strip():
+        raise UserError(f"checkpoint.local_every={cfg.checkpoint.local_every} needs checkpoint.local_dir, a host-local "
+                        f"directory such as /dev/shm/jaxgpt or a local SSD")
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.grad_accum={t.grad_accum} does not divide train.batch_size={t.batch_size}")
     if t.batch_size * m.seq_len >= 2**31:  # the loss and token counts are int32 on the device

@@ -9,10 +9,12 @@ and combine einsums are not counted). MFU is achieved FLOP/s over the
 accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown (CPUs).
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
-tokens_per_sec, mfu, and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
+tokens_per_sec, mfu, step_time and data_wait (each a list, one value per process: seconds per step
+and seconds per step waiting for input over the log interval; jaxgpt/resilience/watchdog.py), and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
 the cross-entropy alone; jaxgpt/model/moe.py), with model.document_mask docs_per_window and
 masked_pairs (jaxgpt/model/documents.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
-no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm. Other tools (and `jaxgpt.report`)
+no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm; goodput lines, at every
+persistent checkpoint and the last step, carry step, goodput and goodput/PART_s (jaxgpt/resilience/goodput.py). Other tools (and `jaxgpt.report`)
 read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
 records by `tracking.Tracker`.
@@ -99,7 +101,10 @@ class MetricsLog:
 
 
 def format_record(r: dict[str, Any]) -> str:
-    """The console line for a train or eval record."""
+    """The console line for a train, eval or goodput record."""
+    if "goodput" in r:
+        return (f"step {r['step']:>6} | goodput {100 * r['goodput']:.1f}% of {r['goodput/wall_s']:,.1f} s since the "
+                f"first start (productive {r['goodput/productive_s']:,.1f} s)")
     if "val_loss" in r:
         line = f"step {r['step']:>6} | val_loss {'nan' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
         if "val_bpb" in r:
@@ -119,6 +124,15 @@ def format_record(r: dict[str, Any]) -> str:
                f"{num('moe_dropped', '.1%')}" if "moe_aux_loss" in r else "")
             + (f" | docs/window {num('docs_per_window', '.2f')} masked {num('masked_pairs', '.1%')}"
                if "docs_per_window" in r else ""))
+
+
+# Keys whose values are timings: a resumed run writes them again with other values (everything else
+# in its rows is the uninterrupted run's).
+TIMING_KEYS = ("tokens_per_sec", "mfu", "step_time", "data_wait", "goodput")
+
+
+def timing_key(key: str) -> bool:
+    return key in TIMING_KEYS or key.startswith("goodput/")
 
 
 class Throughput:

@@ -1,7 +1,8 @@
 """`python -m jaxgpt.report RUN_DIR`: RUN_DIR/report.md and RUN_DIR/loss.png from what a run left.
 
 `train()` writes the report itself at the end of a run (completed, preempted or diverged); this
-command regenerates it, for example for a run that was killed. It reads three files:
+command regenerates it, for example for a run that was killed, and prints the run's goodput. It
+reads three files and a directory:
 
     metrics.jsonl  train lines (loss, tokens_per_sec, mfu; with model.document_mask docs_per_window and
                    masked_pairs, summarised in a row) and eval lines (val_loss, val_bpb, and
@@ -12,6 +13,14 @@ command regenerates it, for example for a run that was killed. It reads three fi
                    `launch_multihost.sh --max-restarts` started the group again after a failure
     config.yaml    the latest session's resolved config: batch, sequence length, checkpoint
                    cadence, logging.every
+    goodput/       one record per session of where its time went (jaxgpt/resilience/goodput.py):
+                   the Goodput section, the parts of the wall clock since the run's first start
+                   and goodput.png, a bar of them per session and for the run
+
+Processes. With several processes each train line holds every process's seconds per step and
+input-wait seconds per step (`step_time`, `data_wait`); the report lists their medians per process
+and names a straggler: a process whose median input wait is over twice the others' and over a
+tenth of a step.
 
 Throughput. Each train line's tokens_per_sec is measured on the host over the log interval that
 ends at that line: `logging.every` steps, fewer where an evaluation or a (re)start reset the timer.
@@ -46,6 +55,7 @@ import numpy as np
 from jaxgpt import files
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.errors import UserError
+from jaxgpt.resilience import goodput
 from jaxgpt.tracking import check_run_dir, read_events
 
 END_EVENTS = ("end", "preempted", "diverged")
@@ -54,7 +64,8 @@ MAX_SLOW_LISTED = 20
 
 # metrics.jsonl: every line has an int step; the values, where present, are numbers or null (non-finite).
 METRIC_FIELDS = {key: (*files.NUMBER, type(None)) for key in
-                 ("loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_sec", "mfu")}
+                 ("loss", "val_loss", "val_bpb", "lr", "grad_norm", "tokens_per_sec", "mfu", "goodput")}
+METRIC_FIELDS.update({"step_time": list, "data_wait": list})
 
 
 def _load(run_dir: Path) -> tuple[list[dict], list[dict], dict[str, Any]]:
@@ -219,8 +230,50 @@ def _history(events: list[dict]) -> list[str]:
     return lines or ["- none"]
 
 
-def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) -> str:
+def _goodput(sessions: list[dict]) -> list[str]:
+    """The Goodput section: the parts of the wall clock since the first start, and one row per session."""
+    if not sessions:
+        return ["Not recorded (a run dir from before goodput was recorded)."]
+    total = goodput.summarize(sessions)
+    wall = total["wall"] or 1.0
+    out = [f"**{100 * total['goodput']:.1f}%** of the {_duration(total['wall'])} since the run's first start trained "
+           f"the model (productive steps whose results the run kept).", "",
+           "| part | time | share |", "|---|---|---|"]
+    out += [f"| {goodput.LABELS[p]} | {_duration(total[p])} | {100 * total[p] / wall:.1f}% |" for p in goodput.PARTS]
+    out += ["", "| session | steps | wall | productive | then, until the next start |", "|---|---|---|---|---|"]
+    for i, s in enumerate(sessions):
+        gap = f"{_duration(sessions[i + 1]['start'] - s['time'])}" if i + 1 < len(sessions) else "(the last)"
+        out.append(f"| {i + 1} | {s['start_step']} → {s['step']} | {_duration(s['time'] - s['start'])} | "
+                   f"{_duration(s['seconds'].get('step', 0.0))} | {gap} |")
+    return out + ["", "![where the wall clock went](goodput.png)"]
+
+
+def _processes(train: list[dict]) -> list[str]:
+    """Per process medians of step time and input wait, and the straggler if one stands out."""
+    rows = [r for r in train if isinstance(r.get("data_wait"), list) and isinstance(r.get("step_time"), list)
+            and None not in r["data_wait"] and None not in r["step_time"]]
+    count = max((len(r["data_wait"]) for r in rows), default=0)
+    rows = [r for r in rows if len(r["data_wait"]) == count and len(r["step_time"]) == count]
+    if count < 2 or not rows:
+        return []
+    steps = [float(np.median([r["step_time"][p] for r in rows])) for p in range(count)]
+    waits = [float(np.median([r["data_wait"][p] for r in rows])) for p in range(count)]
+    out = ["", "### Processes", "", "| process | step time (median) | input wait per step (median) |", "|---|---|---|"]
+    out += [f"| {p} | {1000 * steps[p]:,.1f} ms | {1000 * waits[p]:,.2f} ms |" for p in range(count)]
+    stragglers = [p for p in range(count) if waits[p] > 0.1 * steps[p]
+                  and waits[p] > 2 * float(np.median([w for q, w in enumerate(waits) if q != p]))]
+    out.append("")
+    out.append(f"Straggler{'s' if len(stragglers) > 1 else ''}: process{'es' if len(stragglers) > 1 else ''} "
+               f"{', '.join(map(str, stragglers))} wait{'' if len(stragglers) > 1 else 's'} for input longer than the "
+               f"others: every process waits for it in the step's collectives." if stragglers else
+               f"No straggler by input wait over {len(rows)} log intervals (a slow device slows every process alike).")
+    return out
+
+
+def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict,
+           sessions: list[dict] | None = None) -> str:
     train = [r for r in metrics if r.get("loss") is not None]  # null: non-finite (older runs logged those)
+    sessions = sessions or []
     evals = [r for r in metrics if r.get("val_loss") is not None]
     starts = [e for e in events if e["event"] == "start"]
     restarts = sum(e["event"] == "resume" for e in events)
@@ -232,6 +285,7 @@ def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) ->
     rows += [("steps", f"{last_step:,} of {steps:,}" if steps else f"{last_step:,}"),
              ("restarts", str(restarts)), ("automatic restarts", str(automatic)), ("preemptions", str(preemptions)),
              ("wall time", _wall_time(events)),
+             ("goodput", f"{100 * goodput.summarize(sessions)['goodput']:.1f}% (see Goodput)" if sessions else "not recorded"),
              ("final train loss", f"{train[-1]['loss']:.4f} (step {train[-1]['step']})" if train else "none logged"),
              ("final val loss", f"{evals[-1]['val_loss']:.4f} (step {evals[-1]['step']})" if evals else "none logged")]
     bpb = [r for r in evals if r.get("val_bpb") is not None]
@@ -244,8 +298,9 @@ def render(run_dir: Path, metrics: list[dict], events: list[dict], cfg: dict) ->
                      f"(mean of {len(docs)} logged steps)"))
     out = [f"# Run report: {run_dir.resolve().name}", "", f"`{run_dir.resolve()}`", "", "| | |", "|---|---|"]
     out += [f"| {k} | {v} |" for k, v in rows]
-    out += ["", "## Throughput", ""] + _throughput(train, _get(cfg, "logging", "every", "unknown"))
+    out += ["", "## Throughput", ""] + _throughput(train, _get(cfg, "logging", "every", "unknown")) + _processes(train)
     out += ["", "## Restarts, preemptions, divergence", ""] + _history(events)
+    out += ["", "## Goodput", ""] + _goodput(sessions)
     out += ["", "## Loss", "", "![train and val loss against step](loss.png)", ""]
     out += _tasks(metrics)
     return "\n".join(out)
@@ -321,13 +376,47 @@ def plot_loss(metrics: list[dict], path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_goodput(sessions: list[dict], path: Path, title: str) -> bool:
+    """Where the wall clock went: one stacked bar for the run and one per session (its own time, then
+    the gap before the next start, as restarts); False when nothing was recorded."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if not sessions:
+        return False
+    bars = [("run", goodput.summarize(sessions))]
+    for i, s in enumerate(sessions):
+        part = goodput.summarize([s])
+        if i + 1 < len(sessions):
+            part["restarts"] += max(0.0, sessions[i + 1]["start"] - s["time"])
+        bars.append((f"session {i + 1}", part))
+    fig = Figure(figsize=(9, 2.2 + 0.35 * len(bars)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = dict(zip(goodput.PARTS, ("tab:green", "tab:orange", "tab:blue", "tab:purple", "tab:cyan", "tab:gray",
+                                      "tab:red", "tab:brown")))
+    for y, (_, parts) in enumerate(bars):
+        left = 0.0
+        for p in goodput.PARTS:
+            ax.barh(y, parts[p], left=left, color=colors[p], label=goodput.LABELS[p] if y == 0 else None)
+            left += parts[p]
+    ax.set_yticks(range(len(bars)), [name for name, _ in bars])
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds", title=f"{title}: goodput {100 * bars[0][1]['goodput']:.1f}%")
+    fig.legend(loc="outside lower center", ncols=3, fontsize="small")
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def write_report(run_dir: Path) -> Path:
-    """Writes RUN_DIR/report.md and RUN_DIR/loss.png; returns the report's path."""
+    """Writes RUN_DIR/report.md, RUN_DIR/loss.png and (where recorded) goodput.png; returns the report's path."""
     run_dir = Path(run_dir)
     metrics, events, cfg = _load(run_dir)
+    sessions = goodput.read(run_dir)
     path = run_dir / "report.md"
-    files.write_text_atomically(path, render(run_dir, metrics, events, cfg))
+    files.write_text_atomically(path, render(run_dir, metrics, events, cfg, sessions))
     plot_loss(metrics, run_dir / "loss.png", run_dir.resolve().name)
+    plot_goodput(sessions, run_dir / "goodput.png", run_dir.resolve().name)
     batch, seq = _get(cfg, "train", "batch_size"), _get(cfg, "model", "seq_len")
     plot_tasks(metrics, batch * seq if batch and seq else None, run_dir / "tasks.png", run_dir.resolve().name)
     return path
@@ -338,9 +427,11 @@ def _main(argv: Sequence[str] | None) -> None:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=path_arg, help="a run dir written by python -m jaxgpt.train")
     run_dir = files.require_dir(parser.parse_args(argv).run_dir, "run dir")
-    files.writable_dir(run_dir, "run dir", files=("report.md", "loss.png", "tasks.png"))  # before reading it all
+    files.writable_dir(run_dir, "run dir", files=("report.md", "loss.png", "tasks.png", "goodput.png"))  # before reading it all
     path = write_report(run_dir)
     print(f"wrote {path} and {path.with_name('loss.png')}")
+    if sessions := goodput.read(run_dir):
+        print(goodput.line(goodput.summarize(sessions)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

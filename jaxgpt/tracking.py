@@ -64,13 +64,15 @@ from jaxgpt.errors import UserError
 from jaxgpt.metrics import MetricsLog, format_record
 
 # What jaxgpt writes into a run dir; `check_run_dir` refuses a run dir where one is the wrong kind.
-RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png", "tasks.png", "data-verified.json")
-RUN_DIR_DIRS = ("checkpoints", "tb", "profile")
+RUN_DIR_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "report.md", "loss.png", "tasks.png", "goodput.png",
+                 "data-verified.json")
+RUN_DIR_DIRS = ("checkpoints", "tb", "profile", "goodput", "heartbeats", "hangs")
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
         "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "val_loss": "val/loss",
         "moe_aux_loss": "moe/aux_loss", "moe_z_loss": "moe/z_loss", "moe_dropped": "moe/dropped",  # MoE only
-        "val_bpb": "val/bpb", "docs_per_window": "data/docs_per_window", "masked_pairs": "data/masked_pairs"}
+        "val_bpb": "val/bpb", "docs_per_window": "data/docs_per_window", "masked_pairs": "data/masked_pairs",
+        "goodput": "perf/goodput"}
 
 
 def kernels_in_traces() -> None:
@@ -215,7 +217,7 @@ class _Bar:
 
     def write(self, record: dict[str, Any]) -> None:
         bar = self._open()
-        if "val_loss" in record:
+        if "val_loss" in record or "goodput" in record:
             bar.write(format_record(record), file=sys.stdout)
             return
         rate, loss = record.get("tokens_per_sec"), record.get("loss")

@@ -1,24 +1,27 @@
 """`python -m jaxgpt.train [--config FILE] [--mesh dp=2,fsdp=2,tp=2] [--run-dir DIR] [section.key=value ...]`
 
-The loop. Everything that can be wrong with the input is checked before anything compiles:
-config keys and values, then the mesh against the device count, then the data and its
-vocabulary, then (on resume) the checkpoint's shapes. The host stays off the critical path: step
-N+1 is dispatched before step N's metrics are pulled to the host, so reading them never leaves
-the device idle (every step's loss is still checked for NaN/inf, one step late).
+A run's set-up; the step loop itself is jaxgpt/loop.py. Everything that can be wrong with the
+input is checked before anything compiles: config keys and values, then the mesh against the
+device count (on an elastic restart, after `resilience.elastic` fitted it to the processes left),
+then the data and its vocabulary, then (on resume) the checkpoint's shapes.
 
-Re-running the same command with the same run dir resumes from the newest good checkpoint:
+Re-running the same command with the same run dir resumes from the newest good checkpoint, in
+either tier (persistent, or local with checkpoint.local_every: jaxgpt/resilience/local_tier.py):
 parameters, optimizer state, step and data position, so the run continues the same trajectory.
+From train() being entered to its end, a hang watchdog runs in every process and the session's
+time is accounted for goodput (jaxgpt/resilience/).
 
 What a step leaves behind, and why a resumed run's metrics.jsonl equals an uninterrupted run's:
 step N's records are its train row (every `logging.every` steps and the last), its eval row (every
-`train.eval_every` steps, the last step, and step 0 of a fresh run) and its checkpoint. The rows are
-written first and the checkpoint last (the eval runs before the save starts), so a committed
+`train.eval_every` steps, the last step, and step 0 of a fresh run), at a persistent checkpoint its
+`goodput` row, and its checkpoint. The rows are written first and the checkpoint last (the eval runs before the save starts), so a committed
 checkpoint at step S means every row of steps <= S is already in metrics.jsonl. Resuming from S
 therefore keeps exactly the rows of steps <= S and drops the rest, which the resumed run writes
 again; a run with no checkpoint of its own (a fresh start, also after a kill before the first
 save) keeps none, and writes step 0's eval row again. A kill at any moment thus leaves rows that,
 after the re-run, are the uninterrupted run's (only timing values, tokens_per_sec and mfu, differ),
-including a kill after the last checkpoint, where the re-run has nothing to do.
+including a kill after the last checkpoint, where the re-run has nothing to do. (The goodput
+rows are timing values too.)
 
 An eval row holds val_loss, val_bpb (bits per byte: the val nats over text positions / ln 2 / the
 UTF-8 bytes those positions' labels decode to; jaxgpt/step.py `val_sums`) and, when `eval.tasks`
@@ -43,7 +46,6 @@ if __name__ == "__main__":  # first: the process re-executes itself before impor
 import argparse  # noqa: E402 (the re-exec above comes first)
 import contextlib
 import json
-import math
 import sys
 import time
 from collections.abc import Sequence
@@ -55,16 +57,16 @@ import yaml
 
 from jaxgpt import allocator, data, files, hf
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
-from jaxgpt.cli import ArgumentParser, Diverged, Preempted, StepFailed, environment_failure, path_arg, run_main
+from jaxgpt.cli import ArgumentParser, Diverged, Preempted, path_arg, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.data import integrity
 from jaxgpt.errors import UserError
-from jaxgpt.evaluate.score import Scorer
-from jaxgpt.evaluate.tasks import Task, load_tasks
+from jaxgpt.evaluate.tasks import load_tasks
 from jaxgpt.files import read_jsonl
 from jaxgpt.gpu import fp8_choice
 from jaxgpt.lock import DirLock
-from jaxgpt.metrics import Throughput, mfu, peak_flops
+from jaxgpt.loop import Loop, say
+from jaxgpt.metrics import peak_flops
 from jaxgpt.model import compute_dtype, param_count
 from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
@@ -72,9 +74,11 @@ from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, local_device, resolve_remat
 from jaxgpt.preemption import StopRequest
 from jaxgpt.report import write_report
-from jaxgpt.step import Setup, TrainState, init_state, make_eval_step, make_setup, make_train_step
+from jaxgpt.resilience import elastic, goodput, local_tier
+from jaxgpt.resilience.clock import PhaseClock
+from jaxgpt.resilience.watchdog import Watchdog
+from jaxgpt.step import Setup, TrainState, init_state, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, kernels_in_traces, require_wandb, run_info
-
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     parser = ArgumentParser(
@@ -92,14 +96,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     return cfg, run_dir
 
 
-def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer,
-                   abstract: TrainState) -> tuple[TrainState, dict | None, Path | None]:
+def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer, abstract: TrainState,
+                   local: local_tier.LocalTier | None) -> tuple[TrainState, dict | None, Path | None]:
     """Resume this run, or start from another run's checkpoint, or initialise; (state, data state,
     the checkpoint this run resumed from or None). abstract: the state's shapes and shardings."""
-    restored = ckpt.restore_latest(abstract, config=cfg, set_aside=True)
+    # the newest step in either tier; another model: refused; another schedule or data: said
+    restored = local_tier.restore_newest(ckpt, local, abstract, cfg)
     if restored is not None:
-        ckpt.check_config_changes(restored.step, cfg, restored.data_state)  # another model: refused; schedule, data: said
-        _say(f"resuming from step {restored.step} ({restored.path})")
+        tier = " (local tier)" if local is not None and restored.path.is_relative_to(local.directory) else ""
+        _say(f"resuming from step {restored.step} ({restored.path}){tier}")
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
@@ -129,9 +134,7 @@ def _naming(what: str):
         raise UserError(f"{what}: {e}") from None
 
 
-def _say(message: str) -> None:
-    if jax.process_index() == 0:
-        print(message, flush=True)
+_say = say
 
 
 def _trim_metrics(path: Path, step: int | None) -> None:
@@ -159,7 +162,9 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     if distributed.cpu_without_compilation_cache(devices):
         _say("note: JAX's persistent compilation cache is off for this run: an XLA:CPU step read back from it "
              "can deadlock its collectives in jax 0.12 (jaxgpt/parallel/distributed.py)")
+    cfg, resized = elastic.resize(cfg, len(devices))  # launch_multihost.sh --min-processes: fewer processes
     sizes = validate(cfg, len(devices))
+    local_tier.check_dir(cfg)
     hf.check_init_from_hf(cfg)
     check_run_dir(run_dir)
     require_wandb(cfg.logging)
@@ -169,12 +174,19 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     # One job per run dir (jaxgpt/lock.py): a second one would interleave metrics and checkpoints.
     with DirLock(run_dir, "run dir", "wait for it to finish or stop it (the same command resumes), or "
                  "pass another --run-dir", suffix=f".{jax.process_index()}"):
-        return _train(cfg, run_dir, devices, sizes, started)
+        phases = PhaseClock(started)
+        watchdog = Watchdog(phases, run_dir, cfg.train)  # start-up is bounded too: a peer may never come
+        watchdog.start()
+        try:
+            return _train(cfg, run_dir, devices, sizes, phases, resized)
+        finally:
+            watchdog.close()
 
 
 def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[str, int],
-           started: float) -> TrainState:
+           phases: PhaseClock, resized: str | None) -> TrainState:
     """`train` once the config is valid for the devices and the run dir is this job's."""
+    started = phases.started
     dtype = compute_dtype(cfg.model.dtype)
     kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
     # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,
@@ -212,17 +224,22 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             train_step = make_train_step(cfg, mesh, setup)
             # Before anything is written: a run too big for its devices is one line, not the OOM
             # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
+            phases.enter("compile")  # where a memory limit is known, the step is compiled here, ahead
             check_memory(train_step, abstract, abstract_batch, mesh, local_device(devices), memory,
                          floor=activation_floor(cfg, sizes))
+            phases.enter("startup")
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
         ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        local = local_tier.LocalTier(cfg, run_dir, sizes) if cfg.checkpoint.local_every else None
     except BaseException:
         stop.close()
         raise
+    session = None
     try:
         with jax.set_mesh(mesh):
-            state, data_state, resumed_from = _initial_state(cfg, setup, ckpt, abstract)
+            state, data_state, resumed_from = _initial_state(cfg, setup, ckpt, abstract, local)
             start = int(state.step)
+            session = goodput.Session(run_dir, phases, start, enabled=pid == 0 and start < t.steps)
             if data_state is not None:
                 batches.set_state(data_state)
             if pid == 0:
@@ -242,6 +259,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                       f"({remat_why})", flush=True)
                 if fp8_why:
                     print("\n".join([fp8_why, *fp8_choice.format_choices(fp8_rows)]), flush=True)
+                if resized:
+                    print(resized, flush=True)
                 if devices[0].platform == "cpu":
                     print(f"host allocator: {allocator.describe()}", flush=True)
             precision = "fp8" if m.fp8_linears() else np.dtype(dtype).name
@@ -249,19 +268,33 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             if pid == 0:
                 if restart := distributed.restart_info():  # launch_multihost.sh --max-restarts
                     track.event("restart", step=start, **restart)
+                if resized:
+                    track.event("elastic", step=start, processes=jax.process_count(),
+                                full_processes=elastic.full_processes(), mesh=sizes, grad_accum=t.grad_accum)
                 track.begin(start, run_info(cfg, run_dir, sizes, devices, dtype=np.dtype(dtype).name, kernel=kernel,
                                             kernel_reason=why, params=param_count(m), peak=peak), resumed_from)
-            loop = _Loop(cfg, setup, mesh, train_step, track, len(devices), peak, tasks)
+            loop = Loop(cfg, setup, mesh, train_step, track, len(devices), peak, tasks, phases, session, local)
             state = loop.run(state, start, batches, to_global, val_batches, ckpt, stop)
+        phases.enter("checkpoint")
         ckpt.wait()
+        if local is not None:
+            local.remove()  # the run is complete: its local copies only hold memory now
+        if session.enabled:
+            session.write()
+            _say(goodput.line(session.summary(run_dir)))
+            session.enabled = False  # its end is written
         track.event("end", step=max(start, t.steps))
         _close_and_report(track, completed=True)
     except (Preempted, Diverged):  # the loop wrote the event; the report says where it stopped
         _close_and_report(track)
         raise
     finally:
+        if session is not None and session.enabled:
+            session.write()  # the session's end, for goodput (a killed one is seen to end at its last record)
         stop.close()
         ckpt.close()
+        if local is not None:
+            local.close()
         track.close()
     return state
 
@@ -275,116 +308,6 @@ def _close_and_report(track: Tracker, completed: bool = False) -> None:
         write_report(track.run_dir)
     except Exception as e:  # noqa: BLE001 - the run itself succeeded; the report is a courtesy
         print(f"warning: could not write the run report: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-
-class _Loop:
-    """The step loop: dispatch, deferred metrics, evaluation, checkpoints, stop requests."""
-
-    def __init__(self, cfg: Config, setup: Setup, mesh, train_step, track: Tracker, n_devices: int, peak: float | None,
-                 tasks: Sequence[Task] = ()):
-        self.cfg, self.track, self.n_devices, self.peak = cfg, track, n_devices, peak
-        self.train_step = train_step  # make_train_step's, compiled ahead where check_memory knows a limit
-        self.eval_step = make_eval_step(cfg, mesh, setup)
-        self.tasks = tasks  # scored with the micro-batch's rows, which training already fits in memory
-        self.scorer = Scorer(setup.graphdef, cfg.model, mesh, cfg.train.batch_size // cfg.train.grad_accum)
-        self.clock = Throughput()
-        self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-
-    def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
-        """The eval row: val_loss, val_bpb and, when due, every task's acc and acc_norm."""
-        sums = jax.device_get([self.eval_step(state.params, to_global(b)) for b in val_batches])
-        val_loss = float(np.mean([s["loss"] for s in sums]))
-        if not math.isfinite(val_loss):
-            self.track.event("diverged", step=step, metric="val_loss")
-            raise Diverged(f"the val loss became {val_loss} at step {step}; lower optimizer.lr or check the data")
-        text_bytes = sum(int(s["text_bytes"]) for s in sums)
-        bpb = sum(float(s["text_nats"]) for s in sums) / math.log(2) / text_bytes if text_bytes else None
-        record = {"step": step, "val_loss": val_loss, "val_bpb": bpb}
-        every, last = self.cfg.eval.task_every, self.cfg.train.steps
-        if self.tasks and (not every or step % every == 0 or step in (0, last)):
-            for task in self.tasks:
-                record.update(self.scorer.score(state.params, task).fields())
-        self.track.write(record)
-
-    def finish(self, step: int, metrics: dict) -> None:
-        """Pulls one step's metrics to the host, stops on a non-finite loss, logs every N steps."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        # The grad norm can overflow while the loss is still finite; clipping by an inf norm then zeroes
-        # the update and the run would go on silently, so either one ends the run.
-        for key, what in (("loss", "the loss"), ("grad_norm", "the gradient norm")):
-            if not math.isfinite(values[key]):
-                self.track.event("diverged", step=step, metric=key)
-                finite = f" (the loss was still {values['loss']:.4g})" if key != "loss" else ""
-                raise Diverged(f"{what} became {values[key]} at step {step}{finite}; lower optimizer.lr or "
-                               f"check the data (nothing was saved from this step)")
-        self.track.advance(step)
-        if step % self.cfg.logging.every and step != self.cfg.train.steps:
-            return
-        rate = self.clock.tokens_per_sec(step, self.tokens_per_step)
-        self.track.write({"step": step, **values, "tokens_per_sec": rate,
-                          "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak)})
-
-    def run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
-        """The steps after `start`; an error XLA raises running them is one line (`StepFailed`),
-        except those the command line names itself (out of memory, a lost peer process). The
-        caller's `ckpt.close()` still commits a save in flight."""
-        self.step = start
-        try:
-            return self._run(state, start, batches, to_global, val_batches, ckpt, stop)
-        except jax.errors.JaxRuntimeError as e:
-            if environment_failure(e) is not None:
-                raise
-            first = str(e).strip().split("\n", 1)[0][:300]
-            # Dispatch runs ahead: the failure may be the step before the one it surfaced in.
-            raise StepFailed(f"XLA failed running the train step (surfaced at step {self.step}): {first}; "
-                             f"this is not bad input: report it with the command. Committed checkpoints are "
-                             f"kept: the same command resumes from the newest") from None
-
-    def _run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
-        t, every = self.cfg.train, self.cfg.checkpoint.every
-        if start >= t.steps:
-            _say(f"already trained to step {start} (train.steps={t.steps}); nothing to do")
-            return state
-        if t.eval_every and start == 0:
-            self.evaluate(state, 0, val_batches, to_global)
-        self.clock.reset(start)
-        stop.begin(start)
-        pending = None  # (step, metrics still on device) of the previous step
-        for step in range(start + 1, t.steps + 1):
-            self.step = step
-            with self.track.step_annotation(step):  # starts a logging.profile_steps trace at its first step
-                state, metrics = self.train_step(state, to_global(next(batches)))
-            if pending is not None:
-                self.finish(*pending)  # the host waits here for the previous step, this one queued
-            pending = (step, metrics)
-            if step == start + 1:  # the first step compiled: keep it out of tokens/s
-                jax.block_until_ready(metrics)
-                self.clock.reset(step)
-            self.track.step_done(step, metrics)  # ends a profile trace at its last step
-            evaluate = t.eval_every and (step % t.eval_every == 0 or step == t.steps)
-            save = (every and step % every == 0) or step == t.steps
-            if evaluate or save:
-                self.finish(*pending)  # never save a non-finite state
-                pending = None
-            if evaluate:  # before the save: a checkpoint implies its step's rows (module docstring)
-                self.evaluate(state, step, val_batches, to_global)
-                self.clock.reset(step)
-            if save:
-                ckpt.save(step, state, batches.get_state(), self.cfg)
-            # Last, right before the next step starts: a stop request stops after the newest step
-            # started, the step its line names (jaxgpt/preemption.py). After the last step there is
-            # none to start: the run ends as finished (exit 0), not preempted (a scheduler would
-            # requeue exit 75 for nothing).
-            if step < t.steps and stop.requested(step):
-                if pending is not None:
-                    self.finish(*pending)
-                if not save:
-                    ckpt.save(step, state, batches.get_state(), self.cfg)
-                ckpt.wait()
-                self.track.event("preempted", step=step, checkpoint=str(ckpt.step_path(step)))
-                raise Preempted(f"stopped at step {step}; checkpoint committed to {ckpt.step_path(step)}; "
-                                f"run the same command to resume")
-        return state
 
 
 def _main(argv: Sequence[str] | None) -> None:

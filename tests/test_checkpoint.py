@@ -134,17 +134,17 @@ def test_sigterm_saves_and_exits_preempted(reference, tmp_path):
 
 
 def _sigterm_while_finishing(monkeypatch, at_step: int) -> None:
-    """In-process runs get SIGTERM while the host reads step `at_step`'s metrics (_Loop.finish)."""
-    from jaxgpt import train as train_module
+    """In-process runs get SIGTERM while the host reads step `at_step`'s metrics (Loop.finish)."""
+    from jaxgpt.loop import Loop
 
-    finish = train_module._Loop.finish
+    finish = Loop.finish
 
     def finish_signalled(self, step, metrics):
         if step == at_step:
             os.kill(os.getpid(), signal.SIGTERM)
         finish(self, step, metrics)
 
-    monkeypatch.setattr(train_module._Loop, "finish", finish_signalled)
+    monkeypatch.setattr(Loop, "finish", finish_signalled)
 
 
 def test_sigterm_stops_after_the_newest_step_started(reference, tmp_path, capsys, monkeypatch):
@@ -496,12 +496,12 @@ def test_never_retrieved_tensorstore_read_tasks_are_not_logged(caplog):
 def test_non_finite_restored_parameters_count_as_damage():
     """OCDBT stores no checksums, and jaxgpt never saves a diverged state: a restored NaN or inf
     parameter means the step was damaged on disk (then skipped like any unreadable step)."""
-    from jaxgpt.checkpoint import _require_finite
+    from jaxgpt.checkpoint import require_finite
     params = {"w": jnp.ones((3, 4)), "b": jnp.zeros(4), "n": jnp.arange(3)}
-    _require_finite(params)
+    require_finite(params)
     for bad in (jnp.nan, jnp.inf):
         with pytest.raises(ValueError, match="parameters hold NaN or infinite values"):
-            _require_finite(params | {"b": params["b"].at[2].set(bad)})
+            require_finite(params | {"b": params["b"].at[2].set(bad)})
 
 
 def test_resuming_on_other_data_says_so(three_checkpoints):
