@@ -5,8 +5,9 @@ step N+1 is dispatched before step N's metrics are pulled to the host, so readin
 leaves the device idle (every step's loss is still checked for NaN/inf, one step late).
 
 What a step leaves behind, in order (train.py's docstring says why resuming keeps metrics.jsonl
-exact): its train row (every `logging.every` steps and the last), its eval row, at a persistent
-checkpoint a `goodput` row (jaxgpt/resilience/goodput.py), then the checkpoint itself, persistent
+exact): its train row (every `logging.every` steps and the last), its eval row, at a
+`checkpoint.every` step and the last a `goodput` row (jaxgpt/resilience/goodput.py; not at a stop
+request's save, which an uninterrupted run does not make), then the checkpoint itself, persistent
 (`checkpoint.every`, the last step, a stop request) or else local (`checkpoint.local_every`,
 jaxgpt/resilience/local_tier.py). A checkpoint at step S thus implies every row of steps <= S.
 
@@ -185,8 +186,7 @@ class Loop:
             if step < t.steps and stop.requested(step):
                 if pending is not None:
                     self.finish(*pending)
-                if not save:
-                    self._goodput_row(step)
+                if not save:  # no goodput row here: rows stay where an uninterrupted run writes them
                     self._save(step, state, batches, ckpt, persistent=True)
                 phases.enter("checkpoint", step)
                 ckpt.wait()

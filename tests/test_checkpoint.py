@@ -25,13 +25,13 @@ from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
+from jaxgpt.metrics import timing_key
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 
 RUN = [*TINY, "train.steps=12", "checkpoint.every=4", "logging.every=1", "train.eval_every=4", "train.eval_batches=1",
        "--mesh", "dp=4,tp=2"]
-TIMING = ("tokens_per_sec", "mfu")  # measured, so they differ between any two runs
 
 
 def _start(run_dir: Path) -> subprocess.Popen:
@@ -65,7 +65,7 @@ def _committed(run_dir: Path, step: int) -> bool:
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+    return [{k: v for k, v in r.items() if not timing_key(k)} for r in read_metrics(run_dir)]
 
 
 def _final_params(run_dir: Path, layout: str = "dp=4,tp=2"):

@@ -22,6 +22,7 @@ from helpers import read_metrics, run_cli, tiny_config
 
 from jaxgpt.evaluate import cli as eval_cli
 from jaxgpt.config import validate
+from jaxgpt.metrics import timing_key
 from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer, accuracies, buckets
 from jaxgpt.evaluate.tasks import encode_pair, load_task, parse_spec, preprocess, read_examples
@@ -31,7 +32,6 @@ from jaxgpt.step import abstract_model, make_eval_step, make_setup
 from jaxgpt.tokenizer import EOT_ID, gpt2_encoding, token_bytes
 from jaxgpt.train import train
 
-TIMING = ("tokens_per_sec", "mfu")
 GENERIC = [{"context": "ROMEO: What light through yonder window", "choices": ["breaks.", "is a cat", "Juliet"],
             "label": 0},
            {"context": "Question: 2 + 2 = ?\nAnswer: ", "choices": ["4", "five", "twenty-two"], "label": "0"},
@@ -244,7 +244,7 @@ def test_val_bpb_counts_the_bytes_of_the_text_the_labels_decode_to(shakespeare_d
 
 
 def _rows(run_dir: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_metrics(run_dir)]
+    return [{k: v for k, v in r.items() if not timing_key(k)} for r in read_metrics(run_dir)]
 
 
 def test_run_logs_bpb_and_tasks_at_every_eval_and_resumes_with_identical_rows(run):

@@ -95,7 +95,7 @@ def test_the_manifest_is_a_valid_jobset_with_n_pods_of_g_gpus():
     assert {"name": "runs", "mountPath": "/runs"} in container["volumeMounts"]
     assert pod["restartPolicy"] == "Never" and job["backoffLimit"] == 0  # a pod failure restarts the whole JobSet
     rules = {r["action"]: r["onExitCodes"]["values"] for r in job["podFailurePolicy"]["rules"]}
-    assert rules == {"FailJob": [2, 3], "Ignore": [75]}
+    assert rules == {"FailJob": [2, 3, 77], "Ignore": [75]}
 
 
 def test_a_given_run_dir_is_kept_and_the_defaults_validate():

@@ -15,14 +15,20 @@ What the manifest holds and why:
       service account allowed to list pods).
     - Restarts: any pod failure fails the Job (backoffLimit 0) and JobSet recreates every pod, up
       to --max-restarts times (failurePolicy.maxRestarts); the pods resume from the newest
-      checkpoint. As the local launcher does, exit 2 (bad input) and 3 (diverged) end the JobSet
+      checkpoint (exit 76, a hang the watchdog ended, is such a failure). As the local launcher does,
+      exit 2 (bad input), 3 (diverged) and 77 (too few processes for the global batch) end the JobSet
       (podFailurePolicy FailJob, then failurePolicy rule FailJobSet on reason PodFailurePolicy),
       and exit 75 (a SIGTERM: an eviction or preemption, with a checkpoint saved) only replaces
       the pod (Ignore: not counted). JobSet's restart-attempt annotation becomes
       JAXGPT_RESTART_COUNT, so the restart is in events.jsonl and report.md as locally.
     - The run dir is on the PersistentVolumeClaim CLAIM mounted at /runs (every process writes its
       checkpoint shards there, so it must be ReadWriteMany); --run-dir defaults to /runs/NAME.
-      /dev/shm is a memory volume (NCCL's shared buffers; a container's default is 64 MiB).
+      /dev/shm is a memory volume (NCCL's shared buffers; a container's default is 64 MiB). It dies
+      with its pod, and JobSet recreates every pod on a restart: `checkpoint.local_dir` there keeps
+      no local checkpoint across a restart (a node's hostPath volume would; docs/fault-tolerance.md).
+    - Elastic restarts on fewer pods (launch_multihost.sh --min-processes) are not possible: a
+      JobSet's replicatedJobs cannot change while it runs (Elastic JobSet is a proposal, JobSet
+      issue #463). A lost node leaves its pod Pending until the cluster has room again.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ RUNS_MOUNT = "/runs"
 # The pod annotations JobSet sets (jobset.sigs.k8s.io API constants)
 COORDINATOR_ANNOTATION = "jobset.sigs.k8s.io/coordinator"
 RESTART_ANNOTATION = "jobset.sigs.k8s.io/restart-attempt"
-NO_RESTART_CODES = [2, 3]  # bad input, diverged: they would fail again (cli.py's exit codes)
+NO_RESTART_CODES = [2, 3, 77]  # bad input, diverged, too few processes: they would fail again (cli.py's exit codes)
 PREEMPTED_CODE = 75
 # The coordinator label value `NAME-workers-0-0.NAME` must fit a label's 63 characters.
 MAX_NAME = (63 - len(f"-{REPLICATED_JOB}-0-0.")) // 2

@@ -124,8 +124,8 @@ def _bounded(fn, seconds: float = FILE_WAIT_S):
 class Watchdog:
     """The two threads of the module docstring, for one session's `PhaseClock`."""
 
-    def __init__(self, clock: PhaseClock, run_dir: Path, cfg: TrainConfig):
-        self.clock, self.run_dir = clock, Path(run_dir)
+    def __init__(self, clock: PhaseClock, run_dir: Path, cfg: TrainConfig, exit=os._exit):
+        self.clock, self.run_dir, self.exit = clock, Path(run_dir), exit  # exit(EXIT_HUNG) ends the process
         self.hang_timeout, self.compile_timeout = cfg.hang_timeout, cfg.compile_timeout
         self.me, self.count, self.session = jax.process_index(), jax.process_count(), attempt()
         self.beats = self.run_dir / "heartbeats"
@@ -217,7 +217,8 @@ class Watchdog:
         launch = os.environ.get("JAXGPT_LAUNCH_DIR")
         if launch:  # local to the launcher's host: where it learns whom to blame
             _bounded(lambda: Path(launch, f"hang.{self.me}").write_text(f"{suspect}\n{verdict}\n"), 2.0)
-        os._exit(EXIT_HUNG)
+        self._stop.set()
+        self.exit(EXIT_HUNG)
 
     def _write_report(self, where: Path, report: str) -> None:
         where.mkdir(parents=True, exist_ok=True)
@@ -227,8 +228,9 @@ class Watchdog:
 def _stacks() -> str:
     """Every thread's Python stack, named (the main thread's shows the line it is blocked in)."""
     names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
     out = []
-    for ident, frame in sys._current_frames().items():
+    for ident, frame in sorted(sys._current_frames().items(), key=lambda item: item[0] != main):
         out.append(f"--- thread {names.get(ident, ident)} ---\n{''.join(traceback.format_stack(frame))}")
     return "\n".join(out)
 
