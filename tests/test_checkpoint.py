@@ -204,6 +204,49 @@ def test_a_kill_while_resuming_rewrites_metrics_loses_no_row(reference, tmp_path
     assert _rows(run) == _rows(reference) and not list(run.glob(".metrics.jsonl.*"))  # its leftover removed
 
 
+def test_a_crash_resumes_from_the_local_tier_past_a_damaged_local_step(reference, tmp_path, monkeypatch, capsys):
+    """checkpoint.local_every=1 beside checkpoint.every=4 (jaxgpt/resilience/local_tier.py): a crash
+    while the host reads step 7's metrics leaves persistent step 4 and local steps 5 and 6 (Orbax
+    keeps the newest two). Local step 6 damaged on disk: the re-run says so in one line, deletes it,
+    resumes from local step 5, newer than any persistent one, and ends where the uninterrupted run
+    ends, bit for bit, with its rows; the completed run deletes its local tier."""
+    from jaxgpt import train as train_module
+    from jaxgpt.loop import Loop
+    from jaxgpt.resilience.local_tier import run_key
+
+    run, local = tmp_path / "run", tmp_path / "local"
+    args = ["--run-dir", str(run), *RUN, "checkpoint.local_every=1", f"checkpoint.local_dir={local}"]
+    finish = Loop.finish
+
+    def crash(self, step, metrics):
+        if step == 7:
+            raise RuntimeError("a crash while reading step 7")
+        finish(self, step, metrics)
+
+    monkeypatch.setattr(Loop, "finish", crash)
+    with pytest.raises(RuntimeError, match="a crash"):
+        train_module.main(args)
+    monkeypatch.undo()
+    mine = local / run_key(run) / "process-0-of-1"
+    assert sorted(p.name for p in mine.iterdir() if p.name.isdigit()) == ["5", "6"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
+    for f in (mine / "6" / "state" / "d").iterdir():
+        f.write_bytes(b"garbage")
+    capsys.readouterr()
+    assert train_module.main(args) == 0
+    out, err = capsys.readouterr()
+    assert f"resuming from step 5 ({mine / '5'}) (local tier)" in out
+    damaged = [line for line in err.splitlines() if "local checkpoint step 6" in line]
+    assert len(damaged) == 1 and damaged[0].startswith(f"warning: skipping local checkpoint step 6 ({mine / '6'} on "
+                                                       f"process 0: ") and damaged[0].endswith("; deleted it")
+    assert _rows(run) == _rows(reference)
+    ours, theirs = _final_params(run), _final_params(reference)
+    assert ours.step == theirs.step == 12
+    for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(theirs.state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert not local.joinpath(run_key(run)).exists()
+
+
 def test_reshard_dp8_to_fsdp_tp_and_one_device(tmp_path, shakespeare_dir):
     train(tiny_config("train.steps=4", "checkpoint.every=4", mesh="dp=8"), tmp_path)
     saved = _final_params(tmp_path, "dp=8")

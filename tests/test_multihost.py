@@ -23,6 +23,7 @@ from jaxgpt.cli import EXIT_PREEMPTED, PEER_LOST
 from jaxgpt.config import validate
 from jaxgpt.metrics import timing_key
 from jaxgpt.parallel.mesh import make_mesh
+from jaxgpt.resilience import goodput
 from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 
@@ -300,3 +301,77 @@ def test_comm_bench_reports_bus_bandwidth(tmp_path):
         assert r["algbw_GBps"] > 0 and r["bytes"] >= 1024
         factor = 2 * 7 / 8 if r["kind"] == "all-reduce" else 7 / 8  # nccl-tests' factors for n = 8
         assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor)
+
+
+def _pid(log, process: int) -> int:
+    """The newest pid the launcher started `process` as."""
+    return int(log.read_text().split(f"process {process} is pid ")[-1].split()[0])
+
+
+def _wait(predicate, launcher, log, what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert launcher.poll() is None, f"the launcher ended before {what}: {log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {log.read_text()[-3000:]}"
+        time.sleep(0.05)
+
+
+def test_chaos_a_hang_then_a_lost_host_and_the_run_ends_as_an_undisturbed_one(one_process_reference, two_process_run,
+                                                                               tmp_path):
+    """Issue 60's chaos run, short (scripts/chaos.py runs the long one): 2 processes with a local tier
+    every step. Process 1 is stopped (SIGSTOP, a hang): process 0's watchdog names it and exits 76
+    within train.hang_timeout, the launcher kills process 1 and restarts the group, which resumes
+    from the local tier. Then host 1 is lost for good (its down file, SIGKILL): the group restarts
+    on process 0 alone, dp 2 -> 1 and train.grad_accum 1 -> 2, from the persistent tier (the local one
+    is of 2 processes). The run ends with the losses and parameters of an undisturbed run (fp32, the
+    layout tolerance), every train row once, each fault named in one launcher line, goodput's parts
+    adding up to its wall clock."""
+    run, launch = tmp_path / "run", tmp_path / "launch"
+    (launch / "down").mkdir(parents=True)
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None), "PYTHON": sys.executable, "JAXGPT_PORT": str(_free_port()),
+           "JAXGPT_HEARTBEAT_TIMEOUT": "60", "JAXGPT_LAUNCH_DIR": str(launch)}
+    command = ["bash", "launch_multihost.sh", "--local", "2", "--devices-per-process", "4", "--max-restarts", "1",
+               "--min-processes", "1", "--", "--run-dir", str(run), "--mesh", MESH, *RUN, "train.steps=8",
+               "checkpoint.local_every=1", f"checkpoint.local_dir={tmp_path / 'local'}", "train.hang_timeout=8"]
+    log = tmp_path / "launcher.err"
+    with log.open("w") as err, (tmp_path / "launcher.out").open("w") as out:
+        launcher = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err, text=True)
+        try:
+            _wait(lambda: len(_metrics(run)) >= 3, launcher, log, "step 3")
+            stalled = max(r["step"] for r in _metrics(run))
+            os.kill(_pid(log, 1), signal.SIGSTOP)
+            _wait(lambda: log.read_text().count("is pid") == 4 and any(r["step"] >= 6 for r in _metrics(run)),
+                  launcher, log, "step 6 after the restart")
+            (launch / "down" / "1").touch()
+            os.kill(_pid(log, 1), signal.SIGKILL)
+            assert launcher.wait(timeout=300) == 0, log.read_text()[-3000:]
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+    said = [line for line in log.read_text().splitlines() if "restarting the group" in line]
+    assert len(said) == 2, log.read_text()[-3000:]
+    assert said[0].startswith("launch_multihost: process 0 exited with code 76: hang: process 1 is missing: its last "
+                              "heartbeat ") and said[0].endswith("restarting the group on 2 of 2 processes (hosts 0 1; restart 1)")
+    assert said[1] == ("launch_multihost: process 1 exited with code 137 (killed by SIGKILL); restarting the group on "
+                       "1 of 2 processes (hosts 0; restart 2); was 2")
+    stdout = (tmp_path / "launcher.out").read_text()
+    resumed = [int(line.split("resuming from step ")[1].split()[0]) for line in stdout.splitlines() if "resuming" in line]
+    assert len(resumed) == 2 and stalled - 2 <= resumed[0] <= stalled and resumed[1] == 4, (stalled, resumed)
+    assert f"resuming from step {resumed[0]} ({tmp_path / 'local'}" in stdout  # the local tier
+    assert ("elastic: 1 of the 2 processes this run was started on: mesh dp=1 (was 2), train.grad_accum=2 (was 1); "
+            "the global batch of 16 sequences and the data order are unchanged") in stdout
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 9))
+    np.testing.assert_allclose(train_losses(run), one_process_reference, rtol=0, atol=LOSS_ATOL)
+    ours, theirs = _final_state(run), _final_state(two_process_run[0])
+    assert ours.step == theirs.step == 8
+    for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(theirs.state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=LOSS_ATOL)
+    assert list((run / "hangs").glob("step-*.attempt-0/process-0.txt"))
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["event"] in ("restart", "elastic")] == ["restart", "restart", "elastic"]
+    total = goodput.summarize(goodput.read(run))
+    starts, ends = [e["time"] for e in events if e["event"] == "start"], [e["time"] for e in events if e["event"] == "end"]
+    assert len(starts) == 3 and len(ends) == 1 and total["lost"] > 0 and total["restarts"] > 0
+    assert sum(total[p] for p in goodput.PARTS) == pytest.approx(total["wall"], abs=0.01)  # records keep ms
+    assert total["wall"] == pytest.approx(ends[0] - starts[0], rel=0.01)
+    assert "## Goodput" in (run / "report.md").read_text() and (run / "goodput.png").exists()
