@@ -78,10 +78,25 @@ def _say(message: str, warning: bool = False) -> None:
 
 class _PerProcessSaves(logging.Filter):
     """Orbax warns at every save with primary_host=None that it logs no global object size (the
-    configuration of the module docstring, chosen on purpose): twice per local save, dropped."""
+    configuration of the module docstring, chosen on purpose): twice per local save, dropped. And a
+    local save that fails in Orbax's background thread is logged there with its traceback (and
+    warnings about the files it misses); `save` says it in one line when it surfaces, so the warning
+    and error records naming a local tier's directory go."""
+
+    def __init__(self):
+        super().__init__()
+        self.roots: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Global object size logging disabled for `primary_host=None`")
+        if str(record.msg).startswith("Global object size logging disabled for `primary_host=None`"):
+            return False
+        if record.levelno >= logging.WARNING and self.roots:
+            try:
+                text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info else "")
+            except Exception:  # noqa: BLE001 - a record whose arguments do not format: keep it
+                return True
+            return not any(root in text for root in self.roots)
+        return True
 
 
 _quiet = _PerProcessSaves()
@@ -111,6 +126,7 @@ class LocalTier:
                        "devices": sorted(d.id for d in jax.local_devices())}
         if _quiet not in logging.getLogger("absl").filters:
             logging.getLogger("absl").addFilter(_quiet)
+        _quiet.roots.add(str(self.root))
         self._tidy()
         self.directory.mkdir(parents=True, exist_ok=True)
         files.write_text_atomically(self.directory / LAYOUT, json.dumps(self.layout))
@@ -154,15 +170,36 @@ class LocalTier:
         return bool(self.every) and step % self.every == 0
 
     def save(self, step: int, state: TrainState, data_state: dict, cfg: Config) -> None:
-        self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
-            config=ocp.args.JsonSave(cfg.to_dict())))
+        """Starts saving `step` (asynchronously). A local tier that fails (its directory wiped under
+        the run, a full /dev/shm) costs its copies, not the run: one warning line per failure, and
+        the persistent tier goes on."""
+        try:
+            if not (self.directory / LAYOUT).exists():  # wiped while the run went on: start it again
+                self.directory.mkdir(parents=True, exist_ok=True)
+                files.write_text_atomically(self.directory / LAYOUT, json.dumps(self.layout))
+                self.manager.reload()
+            self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
+                config=ocp.args.JsonSave(cfg.to_dict())))
+        except Exception as e:  # noqa: BLE001 - this save, or the previous one finishing in the background
+            self._failed(step, e)
+
+    def _failed(self, step: int, e: Exception) -> None:
+        print(f"warning: local checkpoint tier of process {jax.process_index()} ({self.directory}): a save up to step "
+              f"{step} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the "
+              f"persistent checkpoints go on", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - see save
+            self._failed(-1, e)
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        except Exception as e:  # noqa: BLE001 - see save
+            self._failed(-1, e)
 
     def step_path(self, step: int) -> Path:
         return self.directory / str(step)
@@ -230,7 +267,7 @@ class LocalTier:
 
     def remove(self) -> None:
         """The run completed: its local tier goes (the root too, once no process's directory is left)."""
-        self.manager.wait_until_finished()
+        self.wait()
         shutil.rmtree(self.directory, ignore_errors=True)
         try:
             self.root.rmdir()
