@@ -89,22 +89,20 @@ class MetricsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def write(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        """Logs `record` with non-finite floats as null; returns what was logged (None when disabled)."""
+        """Logs `record` with non-finite floats as null; returns what was logged (None when disabled).
+        A goodput row is not echoed: the run prints the final figures once, at its end."""
         if not self.enabled:
             return None
         record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.echo:
+        if self.echo and "goodput" not in record:
             print(format_record(record), flush=True)
         return record
 
 
 def format_record(r: dict[str, Any]) -> str:
-    """The console line for a train, eval or goodput record."""
-    if "goodput" in r:
-        return (f"step {r['step']:>6} | goodput {100 * r['goodput']:.1f}% of {r['goodput/wall_s']:,.1f} s since the "
-                f"first start (productive {r['goodput/productive_s']:,.1f} s)")
+    """The console line for a train or eval record."""
     if "val_loss" in r:
         line = f"step {r['step']:>6} | val_loss {'nan' if r['val_loss'] is None else format(r['val_loss'], '.4f')}"
         if "val_bpb" in r:

@@ -217,7 +217,9 @@ class _Bar:
 
     def write(self, record: dict[str, Any]) -> None:
         bar = self._open()
-        if "val_loss" in record or "goodput" in record:
+        if "goodput" in record:  # printed once, at the end of the run
+            return
+        if "val_loss" in record:
             bar.write(format_record(record), file=sys.stdout)
             return
         rate, loss = record.get("tokens_per_sec"), record.get("loss")
