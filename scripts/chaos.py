@@ -236,7 +236,8 @@ def chaos_run(work: Path, index: int, seed: int, steps: int, reference: Path) ->
         if proc.poll() is None:
             proc.kill()
     out = (work / f"chaos{index}.out").read_text()
-    resumed = [int(line.split("resuming from step ")[1].split()[0]) for line in out.splitlines() if "resuming from" in line]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    resumed = [e["step"] for e in events if e["event"] == "start"][1:]  # where each session after a fault began
     said = restarts(err)
     problems = [] if code == 0 else [f"the launcher exited {code}"]
     if len(said) != len(plan):

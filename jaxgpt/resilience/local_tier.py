@@ -224,7 +224,7 @@ class LocalTier:
         best = max(common, default=-1)
         if newest > max(best, above):
             lacking = [p for p, steps in enumerate(held) if newest not in steps]
-            fallback = f"step {best} of the local tier" if best > above else "the persistent tier"
+            fallback = f"step {best} of the local tier" if best > above else "the persistent tier, if any"
             _say(f"local checkpoint tier: step {newest} is not on every process (missing on process"
                  f"{'es' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}: lost or wiped "
                  f"{self.root}/process-*); resuming from {fallback}", warning=True)
