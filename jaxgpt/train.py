@@ -13,9 +13,10 @@ time is accounted for goodput (jaxgpt/resilience/).
 
 What a step leaves behind, and why a resumed run's metrics.jsonl equals an uninterrupted run's:
 step N's records are its train row (every `logging.every` steps and the last), its eval row (every
-`train.eval_every` steps, the last step, and step 0 of a fresh run), at a persistent checkpoint its
-`goodput` row, and its checkpoint. The rows are written first and the checkpoint last (the eval runs before the save starts), so a committed
-checkpoint at step S means every row of steps <= S is already in metrics.jsonl. Resuming from S
+`train.eval_every` steps, the last step, and step 0 of a fresh run), its `goodput` row (every
+`checkpoint.every` steps and the last) and its checkpoint. The rows are written first and the
+checkpoint last (the eval runs before the save starts), so a committed checkpoint at step S, in
+either tier, means every row of steps <= S is already in metrics.jsonl. Resuming from S
 therefore keeps exactly the rows of steps <= S and drops the rest, which the resumed run writes
 again; a run with no checkpoint of its own (a fresh start, also after a kill before the first
 save) keeps none, and writes step 0's eval row again. A kill at any moment thus leaves rows that,
@@ -80,6 +81,7 @@ from jaxgpt.resilience.watchdog import Watchdog
 from jaxgpt.step import Setup, TrainState, init_state, make_setup, make_train_step
 from jaxgpt.tracking import Tracker, check_run_dir, kernels_in_traces, require_wandb, run_info
 
+
 def parse_args(argv: Sequence[str] | None) -> tuple[Config, Path]:
     parser = ArgumentParser(
         prog="python -m jaxgpt.train", description="Train a GPT on the devices this process sees.",
@@ -104,7 +106,7 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer, abstract: Trai
     restored = local_tier.restore_newest(ckpt, local, abstract, cfg)
     if restored is not None:
         tier = " (local tier)" if local is not None and restored.path.is_relative_to(local.directory) else ""
-        _say(f"resuming from step {restored.step} ({restored.path}){tier}")
+        say(f"resuming from step {restored.step} ({restored.path}){tier}")
         return restored.state, restored.data_state, restored.path
     if cfg.checkpoint.init_from:
         source = Checkpointer(find_checkpoint_dir(cfg.checkpoint.init_from), cfg.checkpoint)
@@ -112,14 +114,14 @@ def _initial_state(cfg: Config, setup: Setup, ckpt: Checkpointer, abstract: Trai
         source.close()
         assert other is not None, "find_checkpoint_dir found checkpoints that restore_latest did not"
         if not cfg.checkpoint.init_params_only:
-            _say(f"starting from step {other.step} of {other.path}")
+            say(f"starting from step {other.step} of {other.path}")
             return other.state, other.data_state, None
-        _say(f"starting from the parameters of {other.path} (fresh optimizer, step 0)")
+        say(f"starting from the parameters of {other.path} (fresh optimizer, step 0)")
         fresh = init_state(cfg, setup)
         return TrainState(fresh.step, other.state.params, fresh.opt_state), None, None
     if cfg.checkpoint.init_from_hf:
         params = hf.load_dir(Path(cfg.checkpoint.init_from_hf), cfg.model)
-        _say(f"starting from the Hugging Face weights in {cfg.checkpoint.init_from_hf}")
+        say(f"starting from the Hugging Face weights in {cfg.checkpoint.init_from_hf}")
         fresh = init_state(cfg, setup)
         return TrainState(fresh.step, jax.device_put(params, setup.shardings.params), fresh.opt_state), None, None
     return init_state(cfg, setup), None, None
@@ -132,9 +134,6 @@ def _naming(what: str):
         yield
     except UserError as e:
         raise UserError(f"{what}: {e}") from None
-
-
-_say = say
 
 
 def _trim_metrics(path: Path, step: int | None) -> None:
@@ -160,7 +159,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     devices = list(devices or distributed.ordered_devices())
     started = time.time()  # the start event's time: a session's wall time includes start-up
     if distributed.cpu_without_compilation_cache(devices):
-        _say("note: JAX's persistent compilation cache is off for this run: an XLA:CPU step read back from it "
+        say("note: JAX's persistent compilation cache is off for this run: an XLA:CPU step read back from it "
              "can deadlock its collectives in jax 0.12 (jaxgpt/parallel/distributed.py)")
     cfg, resized = elastic.resize(cfg, len(devices))  # launch_multihost.sh --min-processes: fewer processes
     sizes = validate(cfg, len(devices))
@@ -281,7 +280,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             local.remove()  # the run is complete: its local copies only hold memory now
         if session.enabled:
             session.write()
-            _say(goodput.line(session.summary(run_dir)))
+            say(goodput.line(session.summary(run_dir)))
             session.enabled = False  # its end is written
         track.event("end", step=max(start, t.steps))
         _close_and_report(track, completed=True)

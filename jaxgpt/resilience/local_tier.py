@@ -184,22 +184,23 @@ class LocalTier:
         except Exception as e:  # noqa: BLE001 - this save, or the previous one finishing in the background
             self._failed(step, e)
 
-    def _failed(self, step: int, e: Exception) -> None:
-        print(f"warning: local checkpoint tier of process {jax.process_index()} ({self.directory}): a save up to step "
-              f"{step} failed ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the "
-              f"persistent checkpoints go on", file=sys.stderr, flush=True)
+    def _failed(self, step: int | None, e: Exception) -> None:
+        which = f"a save up to step {step}" if step is not None else "a save"
+        print(f"warning: local checkpoint tier of process {jax.process_index()} ({self.directory}): {which} failed "
+              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); the persistent checkpoints "
+              f"go on", file=sys.stderr, flush=True)
 
     def wait(self) -> None:
         try:
             self.manager.wait_until_finished()
         except Exception as e:  # noqa: BLE001 - see save
-            self._failed(-1, e)
+            self._failed(None, e)
 
     def close(self) -> None:
         try:
             self.manager.close()
         except Exception as e:  # noqa: BLE001 - see save
-            self._failed(-1, e)
+            self._failed(None, e)
 
     def step_path(self, step: int) -> Path:
         return self.directory / str(step)
