@@ -287,3 +287,15 @@ def test_slurm_elastic_restart_runs_srun_on_the_nodes_still_up(tmp_path):
     assert _said(proc) == ["launch_multihost: srun exited with code 1; restarting the group on 2 of 3 processes "
                            "(hosts node1 node3; restart 1); was 3"]
 
+
+
+def test_a_local_tier_needs_a_writable_local_dir(tmp_path):
+    from jaxgpt.config import validate
+    from jaxgpt.resilience.local_tier import check_dir
+
+    with pytest.raises(UserError, match=r"checkpoint.local_every=5 needs checkpoint.local_dir, a host-local directory"):
+        validate(tiny_config("checkpoint.local_every=5"), 8)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="checkpoint.local_dir"):
+        check_dir(tiny_config("checkpoint.local_every=5", f"checkpoint.local_dir={tmp_path / 'file'}"))
+    check_dir(tiny_config("checkpoint.local_every=5", f"checkpoint.local_dir={tmp_path / 'new'}"))
