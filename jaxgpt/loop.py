@@ -60,6 +60,7 @@ class Loop:
         self.tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
         self.phases = phases or PhaseClock()
         self.session, self.local = session, local
+        self._logged: int | None = None  # the step of the last row whose timings were exchanged
 
     def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
         """The eval row: val_loss, val_bpb and, when due, every task's acc and acc_norm."""
@@ -101,7 +102,8 @@ class Loop:
         if interval is None:  # the same on every process: the interval began with this session's compile
             timings = [(None, None)] * jax.process_count()
         else:
-            timings = exchange_timings(step, interval)
+            timings = exchange_timings(step, interval, self._logged)
+            self._logged = step
         self.track.write({"step": step, **values, "tokens_per_sec": rate,
                           "mfu": mfu(rate, self.cfg.model, self.n_devices, self.peak),
                           **({"step_time": [_r(a) for a, _ in timings], "data_wait": [_r(b) for _, b in timings]}

@@ -33,7 +33,8 @@ and restarts the group: detection and restart within 2 x `train.hang_timeout`.
 Per-process times for stragglers come from the same clock: `exchange_timings` gathers each
 process's seconds per step and input-wait seconds per step over a log interval through JAX's
 coordination service (host to host, no device work), and process 0 writes them into the train row
-(`step_time`, `data_wait`: one value per process). Every process of a synchronous step finishes it
+(`step_time`, `data_wait`: one value per process; null for one that has not said within
+TIMING_WAIT_S). Every process of a synchronous step finishes it
 together, so step times agree and a process whose input is slow stands out by its data_wait; a
 process whose device is slow makes everyone slower alike (host timers cannot tell which: the
 profile can, `logging.profile_steps`), and one that stops makes the others hang, named above.
@@ -63,6 +64,7 @@ POLL_S = 0.5
 STALE_S = 10.0  # a heartbeat older than this is a missing process (5 beats)
 HANG_FACTOR, HANG_FLOOR_S = 20, 60.0
 FILE_WAIT_S = 10.0
+TIMING_WAIT_S = 5.0
 STEP_PHASES = ("data", "step")  # bounded by train.hang_timeout; the others by train.compile_timeout
 
 
@@ -235,11 +237,15 @@ def _stacks() -> str:
     return "\n".join(out)
 
 
-def exchange_timings(step: int, mine: tuple[float, float]) -> list[tuple[float, float]] | None:
+def exchange_timings(step: int, mine: tuple[float, float], previous: int | None = None
+                     ) -> list[tuple[float | None, float | None]] | None:
     """Every process's (seconds per step, input-wait seconds per step) over the log interval ending at
     `step`, on process 0 (None elsewhere), through the coordination service's key-value store: each
-    process sets its pair; process 0 waits for the others' (they finish the same step at about the
-    same time: its collectives end together), then deletes them."""
+    process sets its pair; process 0 waits for the others' (they finish the same step within moments
+    of each other: its collectives end together) for at most TIMING_WAIT_S in all, and deletes them
+    (and any left of the `previous` row's). A process that has not said by then is null in the row:
+    it is dead (its peers' next collective fails at once; waiting for its key, process 0 would only
+    learn it at the hang bound) or its input is more than TIMING_WAIT_S late (the watchdog's concern)."""
     count = jax.process_count()
     if count == 1:
         return [mine]
@@ -250,9 +256,18 @@ def exchange_timings(step: int, mine: tuple[float, float]) -> list[tuple[float, 
     if jax.process_index() != 0:
         client.key_value_set(f"{prefix}/{jax.process_index()}", f"{mine[0]!r},{mine[1]!r}")
         return None
-    out = [mine]
-    for p in range(1, count):  # the watchdog bounds the wait (this is the step phase)
-        a, b = client.blocking_key_value_get(f"{prefix}/{p}", 24 * 3600 * 1000).split(",")
-        out.append((float(a), float(b)))
-    client.key_value_delete(prefix)
+    out: list[tuple[float | None, float | None]] = [mine]
+    deadline = time.monotonic() + TIMING_WAIT_S
+    for p in range(1, count):
+        try:
+            wait_ms = max(1, int(1000 * (deadline - time.monotonic())))
+            a, b = client.blocking_key_value_get(f"{prefix}/{p}", wait_ms).split(",")
+            out.append((float(a), float(b)))
+        except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED (or the service gone): null, as the docstring says
+            out.append((None, None))
+    for done in (prefix, *([f"jaxgpt/timing/{previous}"] if previous is not None else [])):
+        try:
+            client.key_value_delete(done)
+        except Exception:  # noqa: BLE001 - the service gone: the next collective says so
+            pass
     return out
