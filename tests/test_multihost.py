@@ -356,7 +356,9 @@ def test_chaos_a_hang_then_a_lost_host_and_the_run_ends_as_an_undisturbed_one(on
                        "1 of 2 processes (hosts 0; restart 2); was 2")
     stdout = (tmp_path / "launcher.out").read_text()
     resumed = [int(line.split("resuming from step ")[1].split()[0]) for line in stdout.splitlines() if "resuming" in line]
-    assert len(resumed) == 2 and stalled - 2 <= resumed[0] <= stalled and resumed[1] == 4, (stalled, resumed)
+    # a step or two lost at most: the newest local step (every step, asynchronous; the stopped process may
+    # have finished one more than process 0 had logged when it was stopped)
+    assert len(resumed) == 2 and stalled - 2 <= resumed[0] <= stalled + 1 and resumed[1] == 4, (stalled, resumed)
     assert f"resuming from step {resumed[0]} ({tmp_path / 'local'}" in stdout  # the local tier
     assert ("elastic: 1 of the 2 processes this run was started on: mesh dp=1 (was 2), train.grad_accum=2 (was 1); "
             "the global batch of 16 sequences and the data order are unchanged") in stdout
