@@ -83,7 +83,7 @@ hang_grace=5  # seconds the rest of a group gets to exit on its own after the fi
 # are marked gone (down/I); a directory of our own unless JAXGPT_LAUNCH_DIR names one.
 launch_dir=""
 if [[ $mode == local && -n "${JAXGPT_LAUNCH_DIR:-}" ]]; then
-  mkdir -p "$JAXGPT_LAUNCH_DIR" 2>/dev/null || fail "cannot create JAXGPT_LAUNCH_DIR=$JAXGPT_LAUNCH_DIR"
+  mkdir -p "$JAXGPT_LAUNCH_DIR/down" 2>/dev/null || fail "cannot create JAXGPT_LAUNCH_DIR=$JAXGPT_LAUNCH_DIR"
   launch_dir="$JAXGPT_LAUNCH_DIR"
 elif [[ $mode == local ]]; then
   launch_dir=$(mktemp -d "${TMPDIR:-/tmp}/jaxgpt-launch.XXXXXX") || fail "cannot create a directory in ${TMPDIR:-/tmp}"

@@ -10,6 +10,9 @@ exact): its train row (every `logging.every` steps and the last), its eval row, 
 request's save, which an uninterrupted run does not make), then the checkpoint itself, persistent
 (`checkpoint.every`, the last step, a stop request) or else local (`checkpoint.local_every`,
 jaxgpt/resilience/local_tier.py). A checkpoint at step S thus implies every row of steps <= S.
+Both tiers save asynchronously; a local save at step S is waited for right after step S+1 is
+dispatched (it commits while S+1 runs), so that a failure loses at most local_every + 1 steps
+(docs/fault-tolerance.md); a persistent one, to slow shared storage, is not.
 
 Every moment is in one phase of `PhaseClock` (data, step, compile, eval, checkpoint): what the
 hang watchdog bounds and goodput adds up (jaxgpt/resilience/). A train row also carries each
@@ -61,6 +64,7 @@ class Loop:
         self.phases = phases or PhaseClock()
         self.session, self.local = session, local
         self._logged: int | None = None  # the step of the last row whose timings were exchanged
+        self._committing = False  # a local save was started at the previous step
 
     def evaluate(self, state: TrainState, step: int, val_batches, to_global) -> None:
         """The eval row: val_loss, val_bpb and, when due, every task's acc and acc_norm."""
@@ -137,6 +141,7 @@ class Loop:
             ckpt.save(step, state, batches.get_state(), self.cfg)
         else:
             self.local.save(step, state, batches.get_state(), self.cfg)
+            self._committing = True
         self.phases.enter("step")
 
     def _run(self, state, start, batches, to_global, val_batches, ckpt: Checkpointer, stop: StopRequest):
@@ -157,6 +162,11 @@ class Loop:
             phases.enter("compile" if step == start + 1 else "step", step)
             with self.track.step_annotation(step):  # starts a logging.profile_steps trace at its first step
                 state, metrics = self.train_step(state, batch)
+            if self._committing:  # the previous step's local save, committed while this step runs
+                phases.enter("checkpoint", step)
+                self.local.wait()
+                self._committing = False
+                phases.enter("step", step)
             if pending is not None:
                 self.finish(*pending)  # the host waits here for the previous step, this one queued
             pending = (step, metrics)

@@ -242,7 +242,8 @@ def _goodput(sessions: list[dict]) -> list[str]:
     out += [f"| {goodput.LABELS[p]} | {_duration(total[p])} | {100 * total[p] / wall:.1f}% |" for p in goodput.PARTS]
     out += ["", "| session | steps | wall | productive | then, until the next start |", "|---|---|---|---|---|"]
     for i, s in enumerate(sessions):
-        gap = f"{_duration(sessions[i + 1]['start'] - s['time'])}" if i + 1 < len(sessions) else "(the last)"
+        gap = ("(the last)" if i + 1 == len(sessions) else "(the run was complete: not counted)" if s.get("completed")
+               else _duration(sessions[i + 1]["start"] - s["time"]))
         out.append(f"| {i + 1} | {s['start_step']} → {s['step']} | {_duration(s['time'] - s['start'])} | "
                    f"{_duration(s['seconds'].get('step', 0.0))} | {gap} |")
     return out + ["", "![where the wall clock went](goodput.png)"]
@@ -387,7 +388,7 @@ def plot_goodput(sessions: list[dict], path: Path, title: str) -> bool:
     bars = [("run", goodput.summarize(sessions))]
     for i, s in enumerate(sessions):
         part = goodput.summarize([s])
-        if i + 1 < len(sessions):
+        if i + 1 < len(sessions) and not s.get("completed"):
             part["restarts"] += max(0.0, sessions[i + 1]["start"] - s["time"])
         bars.append((f"session {i + 1}", part))
     fig = Figure(figsize=(9, 2.2 + 0.35 * len(bars)), layout="constrained")

@@ -279,6 +279,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
         if local is not None:
             local.remove()  # the run is complete: its local copies only hold memory now
         if session.enabled:
+            session.completed = True
             session.write()
             say(goodput.line(session.summary(run_dir)))
             session.enabled = False  # its end is written

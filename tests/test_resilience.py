@@ -130,6 +130,9 @@ def test_goodput_parts_add_up_and_count_recomputed_steps_as_lost():
     assert total["wall"] == pytest.approx(s3["time"])
     assert sum(total[p] for p in goodput.PARTS) == pytest.approx(total["wall"])
     assert total["goodput"] == pytest.approx(40 / total["wall"])
+    s4 = {**_session(200, 40, 60, {"startup": 3, "compile": 1, "step": 20}), "completed": True}
+    later = goodput.summarize([s1, s2, {**s3, "completed": True}, s4])  # more train.steps, long after
+    assert later["restarts"] == total["restarts"] and later["wall"] == pytest.approx(total["wall"] + 24)
     row = goodput.row(40, total)
     assert row["step"] == 40 and row["goodput/lost_s"] == 15.0 and set(row) >= {f"goodput/{p}_s" for p in goodput.PARTS}
 

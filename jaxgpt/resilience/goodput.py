@@ -9,6 +9,7 @@ complete, at every checkpoint and at its end:
     seconds             the session's seconds per phase up to `time` (jaxgpt/resilience/clock.py),
                         which add up to time - start
     saves               [step, productive seconds so far] at each checkpoint it saved (the newest 64)
+    completed           whether it trained the run's last step
 
 `summarize` splits the wall clock, from the first session's start to the last one's `time`, into
 
@@ -21,7 +22,9 @@ complete, at every checkpoint and at its end:
     startup     each session's start-up before its first step (validation, set-up, restore)
     restarts    the gaps between sessions: a failure's detection (a heartbeat or hang timeout), the
                 launcher's restart, a requeue's wait, Python and JAX starting up again, and whatever
-                a killed session did after its last record (under a second)
+                a killed session did after its last record (under a second). Not the gap after a
+                session that completed the run: a later one (more train.steps) continues a finished
+                run, and the wall clock leaves that gap out
     lost        steps computed again after a failure: a session's productive time for the steps
                 after the step the next session resumed from (the productive seconds at that step are
                 in `saves`; between two records, interpolated by step)
@@ -64,6 +67,7 @@ class Session:
         self.path = Path(run_dir) / DIR / f"session-{int(clock.started * 1000)}.json"
         self.start_step = self.step = start_step
         self.saves: list[list[float]] = []
+        self.completed = False  # set when the session trained the run's last step
         self._written = 0.0
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +76,8 @@ class Session:
         seconds = self.clock.seconds()
         return {"start": round(self.clock.started, 3), "start_step": self.start_step,
                 "time": round(self.clock.started + sum(seconds.values()) if when is None else when, 3),
-                "step": self.step, "seconds": {k: round(v, 4) for k, v in seconds.items()}, "saves": self.saves}
+                "step": self.step, "seconds": {k: round(v, 4) for k, v in seconds.items()}, "saves": self.saves,
+                "completed": self.completed}
 
     def write(self) -> dict[str, Any]:
         record = self.record()
@@ -138,9 +143,12 @@ def summarize(sessions: list[dict[str, Any]]) -> dict[str, float]:
         lost = session["seconds"].get("step", 0.0) - _productive_at(session, upto)
         parts["productive"] -= lost
         parts["lost"] += lost
-    for before, after in zip(sessions, sessions[1:]):
-        parts["restarts"] += max(0.0, after["start"] - before["time"])
     wall = sessions[-1]["time"] - sessions[0]["start"]
+    for before, after in zip(sessions, sessions[1:]):
+        if before.get("completed"):  # the run was done: a continuation (more train.steps) is a new job
+            wall -= after["start"] - before["time"]
+        else:
+            parts["restarts"] += max(0.0, after["start"] - before["time"])
     return {**parts, "wall": wall, "goodput": parts["productive"] / wall if wall > 0 else 0.0}
 
 
