@@ -78,7 +78,9 @@ def _say(message: str, warning: bool = False) -> None:
 
 class _PerProcessSaves(logging.Filter):
     """Orbax warns at every save with primary_host=None that it logs no global object size (the
-    configuration of the module docstring, chosen on purpose): twice per local save, dropped. And a
+    configuration of the module docstring, chosen on purpose): twice per local save, dropped, as is
+    its note, when a local save starts, of the time the loop spent waiting for the previous one
+    (the loop does so on purpose: jaxgpt/loop.py). And a
     local save that fails in Orbax's background thread is logged there with its traceback (and
     warnings about the files it misses); `save` says it in one line when it surfaces, so the warning
     and error records naming a local tier's directory go."""
@@ -86,10 +88,13 @@ class _PerProcessSaves(logging.Filter):
     def __init__(self):
         super().__init__()
         self.roots: set[str] = set()
+        self.saving = False  # a local save is being started (on this thread)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if str(record.msg).startswith("Global object size logging disabled for `primary_host=None`"):
             return False
+        if self.saving and str(record.msg).startswith("Waiting for previous save to complete took"):
+            return False  # the loop waits for each local save on purpose (jaxgpt/loop.py): goodput counts it
         if record.levelno >= logging.WARNING and self.roots:
             try:
                 text = record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info else "")
@@ -178,11 +183,14 @@ class LocalTier:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 files.write_text_atomically(self.directory / LAYOUT, json.dumps(self.layout))
                 self.manager.reload()
+            _quiet.saving = True
             self.manager.save(step, force=True, args=ocp.args.Composite(
                 state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data_state),
                 config=ocp.args.JsonSave(cfg.to_dict())))
         except Exception as e:  # noqa: BLE001 - this save, or the previous one finishing in the background
             self._failed(step, e)
+        finally:
+            _quiet.saving = False
 
     def _failed(self, step: int | None, e: Exception) -> None:
         which = f"a save up to step {step}" if step is not None else "a save"
@@ -227,8 +235,8 @@ class LocalTier:
             lacking = [p for p, steps in enumerate(held) if newest not in steps]
             fallback = f"step {best} of the local tier" if best > above else "the persistent tier, if any"
             _say(f"local checkpoint tier: step {newest} is not on every process (missing on process"
-                 f"{'es' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}: lost or wiped "
-                 f"{self.root}/process-*); resuming from {fallback}", warning=True)
+                 f"{'es' if len(lacking) > 1 else ''} {', '.join(map(str, lacking))}: not saved there before "
+                 f"it stopped, or its {self.root}/process-* was lost); resuming from {fallback}", warning=True)
         return sorted((s for s in common if s > above), reverse=True)
 
     def restore(self, step: int, abstract: TrainState) -> tuple[Restored, dict] | None:
