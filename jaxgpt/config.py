@@ -263,7 +263,7 @@ class TrainConfig:
     eval_batches: int = _f(4, "fixed val batches (of batch_size sequences) per evaluation", range=POSITIVE)
     hang_timeout: float = _f(0.0, "seconds a step or an input wait may take before the run counts as hung: every "
                              "process writes its Python stacks to RUN_DIR/hangs/, names the process the others wait "
-                             "for and exits 76 (restartable); 0 = auto: 20 x the median step time after 10 steps, "
+                             "for and exits 76 (restartable); 0 = auto: 20 x the median step time once 15 steps ran, "
                              "at least 60 s; -1 = no watchdog", range=Range(0, extra=(-1,)))
     compile_timeout: float = _f(1800.0, "the same bound, in seconds, for what may legitimately take longer than a "
                                 "step: start-up (restore, compile) to the end of the first step, an evaluation, a "

@@ -10,12 +10,13 @@ accelerator's dense peak from `PEAK_FLOPS`; it is null where the peak is unknown
 
 `metrics.jsonl` holds one JSON object per line: train lines carry step, loss, lr, grad_norm,
 tokens_per_sec, mfu, step_time and data_wait (each a list, one value per process: seconds per step
-and seconds per step waiting for input over the log interval; jaxgpt/resilience/watchdog.py), and for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays
-the cross-entropy alone; jaxgpt/model/moe.py), with model.document_mask docs_per_window and
-masked_pairs (jaxgpt/model/documents.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
-no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm; goodput lines, at every
-persistent checkpoint and the last step, carry step, goodput and goodput/PART_s (jaxgpt/resilience/goodput.py). Other tools (and `jaxgpt.report`)
-read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
+and seconds per step waiting for input over the log interval; jaxgpt/resilience/watchdog.py), and
+for an MoE model moe_aux_loss, moe_z_loss and moe_dropped (`loss` stays the cross-entropy alone;
+jaxgpt/model/moe.py), with model.document_mask docs_per_window and masked_pairs
+(jaxgpt/model/documents.py); evaluation lines carry step, val_loss, val_bpb (bits per byte; null if
+no val label is text) and, with eval.tasks, task/NAME/acc and task/NAME/acc_norm; goodput lines, at
+every checkpoint.every step and the last, carry step, goodput, goodput/wall_s and goodput/PART_s
+(jaxgpt/resilience/goodput.py). Other tools (and `jaxgpt.report`) read these names, so nothing else goes into this file: run events (start, resume, end, ...) live in
 `events.jsonl` (`jaxgpt.tracking`), and TensorBoard / W&B / the progress bar are fed the same
 records by `tracking.Tracker`.
 """

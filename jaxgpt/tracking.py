@@ -8,7 +8,7 @@ step, loss, lr, grad_norm, tokens_per_sec, mfu; eval: step, val_loss, val_bpb, t
                  terminal, a tqdm bar with step/total, ETA, and the latest loss and tokens/s, eval
                  lines printed above it (`bar`, and `auto` on a terminal).
     RUN_DIR/tb/  TensorBoard event files (tensorboardX, no TensorFlow): train/loss, train/lr,
-                 train/grad_norm, perf/tokens_per_sec, perf/mfu (when known), val/loss, val/bpb,
+                 train/grad_norm, perf/tokens_per_sec, perf/mfu (when known), perf/goodput, val/loss, val/bpb,
                  task/NAME/acc and task/NAME/acc_norm (eval.tasks), the
                  config as hparams (flattened `section.key`) and as YAML text. A resumed session
                  opens its writer with `purge_step` = the checkpoint step + 1, so TensorBoard drops
@@ -23,9 +23,10 @@ bar advances from step numbers alone. TensorBoard's writer queues events for a b
 `RUN_DIR/events.jsonl` is the run's history across sessions, one JSON object per line, each with
 `event` and a wall-clock `time` (Unix seconds): `start` (the step it starts from, mesh, devices,
 device kind, process count, compute dtype, attention kernel, interconnect, config path, ...),
-`resume` (step, checkpoint), `preempted` (step, checkpoint), `diverged` (step), `end` (step). A
-start's `time` is when `train()` was entered, so a session's wall time includes start-up and
-compilation. Unlike metrics.jsonl it is never trimmed on resume. `jaxgpt.report` reads it.
+`resume` (step, checkpoint), `restart` and `elastic` (launch_multihost.sh restarted the group, on
+fewer processes: jaxgpt/resilience/elastic.py), `preempted` (step, checkpoint), `diverged` (step),
+`end` (step). A start's `time` is when `train()` was entered, so a session's wall time includes
+start-up and compilation. Unlike metrics.jsonl it is never trimmed on resume. `jaxgpt.report` reads it.
 
 Everything here is process 0's job; on the other processes a Tracker does nothing. The one
 exception is `require_wandb`, which every process calls so that all of them stop on the same error.
