@@ -716,13 +716,21 @@ def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
     return M
 
 
-def help_text() -> str:
-    lines = ["config keys (set in a YAML file or as section.key=value):"]
+def key_help() -> list[tuple[str, Any, str, str, str]]:
+    """(key, default, meaning, choices as 'a|b' or '', range as '> 0' or '') for every config key:
+    what --help prints and scripts/config_reference.py writes to docs/config.md."""
+    rows = []
     for key, f in all_keys().items():
         choices = f.metadata.get("choices")
-        extra = f" [{'|'.join(choices)}]" if choices and len(choices) > 1 else ""
         allowed = f.metadata.get("range")
-        if allowed is not None and allowed != Range():
-            extra += f" ({allowed})"
-        lines.append(f"  {key:<26} = {f.default!s:<12} {f.metadata['doc']}{extra}")
+        rows.append((key, f.default, f.metadata["doc"], "|".join(choices) if choices and len(choices) > 1 else "",
+                     str(allowed) if allowed is not None and allowed != Range() else ""))
+    return rows
+
+
+def help_text() -> str:
+    lines = ["config keys (set in a YAML file or as section.key=value):"]
+    for key, default, doc, choices, allowed in key_help():
+        extra = (f" [{choices}]" if choices else "") + (f" ({allowed})" if allowed else "")
+        lines.append(f"  {key:<26} = {default!s:<12} {doc}{extra}")
     return "\n".join(lines)
