@@ -142,7 +142,7 @@ class ModelConfig:
                          "(of qkv, attn_out, mlp_in, mlp_gate, mlp_out, expert_in, expert_gate, expert_out)",
                          words=_fp8_words)
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
-                        "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
+                        "fused loss (logits from e4m3 x e4m3; costs some loss, see docs/gpus.md)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, save only matmul "
                     "outputs (dots, dots_no_batch), or only the fused attention kernel's (attention: recompute "
                     "the block but never its cuDNN/tokamax attention forward); auto = the least recompute whose "
