@@ -1,6 +1,6 @@
 """Command-line plumbing shared by the jaxgpt commands: one-line errors and exit codes.
 
-Exit codes (documented in the README):
+Exit codes (documented in docs/errors.md, whose table tests/test_docs.py checks against these):
     0  success
     1  a failure while running: a traceback, or one `error: ...` line for XLA's out-of-memory (not
        necessarily the same on a second try: launch_multihost.sh restarts) and for any other error
