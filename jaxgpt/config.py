@@ -636,6 +636,9 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     if cfg.data.chat and cfg.data.mix:
         raise UserError("data.chat and data.mix are both set; fine-tune on chat data (data.chat) or train on a "
                         "mixture (data.mix), not both")
+    if cfg.data.chat and cfg.checkpoint.init_from and not cfg.checkpoint.init_params_only:
+        raise UserError("data.chat fine-tunes another run's parameters: set checkpoint.init_params_only=true (that "
+                        "run's optimizer state, step and data position belong to its own data)")
     if cfg.data.chat and not m.document_mask:
         raise UserError("data.chat packs several conversations into each window: set model.document_mask=true so "
                         "that none sees another")

@@ -70,11 +70,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgpt import tokenizer
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches, weight_grads_summed_in_gemm, weights_once_per_step
 from jaxgpt.model import (GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, from_gemm_pieces, gemm_pieces,
                           head_table, with_prequantized)
@@ -86,7 +86,6 @@ from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
 from jaxgpt.parallel.context import balanced_ways, to_window_order
 from jaxgpt.parallel.mesh import named, shard
-from jaxgpt.tokenizer import token_bytes
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
 DOCUMENT_METRICS = ("docs_per_window", "masked_pairs")  # what model.document_mask adds (model/documents.py)
@@ -468,14 +467,14 @@ def val_sums(x_BTD: jax.Array, labels_BT: jax.Array, table_VD: jax.Array, bytes_
             "text_nats": jnp.sum(jnp.where(bytes_BT > 0, w_BT * nats_BT, 0.0)), "text_bytes": jnp.sum(bytes_BT)}
 
 
-def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup, bytes_table: np.ndarray | None = None):
+def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     """(params, batch [B, T+1] or a fine-tuning batch (tokens, weights)) -> {'loss': mean
     cross-entropy (no MoE auxiliary losses; fine-tuning: the weighted mean), 'text_nats',
-    'text_bytes'} (see val_sums), replicated; under pp through the same pipeline as training.
-    `bytes_table`: the run's tokenizer's bytes per id (Tokenizer.token_bytes; default GPT-2's)."""
+    'text_bytes'} (see val_sums, the bytes of data.tokenizer's tokens), replicated; under pp through
+    the same pipeline as training."""
     dtype = compute_dtype(cfg.model.dtype)
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
-    table = token_bytes(cfg.model.padded_vocab) if bytes_table is None else bytes_table
+    table = tokenizer.load(cfg.data.tokenizer).token_bytes(cfg.model.padded_vocab)
     replicated = NamedSharding(mesh, P())
     bytes_V = jax.make_array_from_callback(table.shape, replicated, lambda index: table[index])  # once, any host count
 

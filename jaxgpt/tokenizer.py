@@ -330,3 +330,76 @@ def check_ids_fit(largest_id: int, vocab_size: int, what: str, tok: Tokenizer | 
         raise UserError(f"{what} holds token id {largest_id}, past this model's vocabulary of {vocab_size} tokens "
                         f"(model.vocab_size): the tokenizer {tok.describe()} is not the one this model was made for"
                         + ("; set data.tokenizer to the model's own" if tok.name == TOKENIZER_NAME else ""))
+
+
+# --- a run's tokenizer ----------------------------------------------------------------------------
+# A run trained with another tokenizer than GPT-2's keeps a copy of it in RUN_DIR/tokenizer/, so that
+# sample, evaluate and `hf export` use the one it was trained with wherever its file has gone since;
+# a run without one (every run before jaxgpt had other tokenizers) is GPT-2's.
+RUN_SUBDIR = "tokenizer"
+
+
+def run_dir_of(path: Path) -> Path:
+    """A run dir, or its checkpoints dir -> the run dir."""
+    path = Path(path)
+    return path.parent if path.name == "checkpoints" else path
+
+
+def of_run(run_dir: Path, spec: str = TOKENIZER_NAME) -> Tokenizer:
+    """The tokenizer a run was trained with: its kept copy, else `spec` (its config's data.tokenizer)."""
+    kept = run_dir_of(run_dir) / RUN_SUBDIR
+    if kept.is_dir():
+        return load(str(kept))
+    return load(spec)
+
+
+def check_run(tok: Tokenizer, run_dir: Path, what: str = "this run dir") -> None:
+    """UserError (one line) if the run at `run_dir` (resumed, or started from) was trained with
+    another tokenizer than `tok`."""
+    run_dir = run_dir_of(run_dir)
+    kept = run_dir / RUN_SUBDIR
+    has_checkpoints = (run_dir / "checkpoints").is_dir() and any(
+        c.name.isdigit() for c in (run_dir / "checkpoints").iterdir())
+    if not kept.is_dir() and not has_checkpoints:
+        return
+    theirs = load(str(kept)) if kept.is_dir() else _gpt2()
+    if theirs.sha256 != tok.sha256:
+        spec = TOKENIZER_NAME if theirs.name == TOKENIZER_NAME else str(kept)
+        raise UserError(f"{what} {run_dir} was trained with another tokenizer ({theirs.describe()}) than "
+                        f"data.tokenizer's ({tok.describe()}); set data.tokenizer={spec}")
+
+
+def keep(run_dir: Path, tok: Tokenizer) -> None:
+    """Copies `tok`'s files into RUN_DIR/tokenizer/ (not GPT-2's, which the package holds), once."""
+    dest = Path(run_dir) / RUN_SUBDIR
+    if tok.path is None or dest.is_dir():
+        return
+    import shutil
+    import tempfile
+
+    staging = Path(tempfile.mkdtemp(prefix=f".{RUN_SUBDIR}-", dir=run_dir))
+    try:
+        shutil.copyfile(tok.path, staging / (HF_FILE if isinstance(tok, _HF) else "tokenizer.model"))
+        for name in (HF_CONFIG, TEMPLATE_FILE):
+            if (tok.path.parent / name).is_file():
+                shutil.copyfile(tok.path.parent / name, staging / name)
+        staging.chmod(0o777 & ~files.umask())
+        staging.rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def for_run(cfg, run_dir: Path) -> Tokenizer:
+    """A run's tokenizer (cfg.data.tokenizer), checked before anything compiles: it is a tokenizer,
+    document masking splits at its separator (model.document_token), and the run resumed or started
+    from (checkpoint.init_from) was trained with it."""
+    tok = load(cfg.data.tokenizer)
+    m = cfg.model
+    if m.document_mask and m.document_token != tok.separator_id:
+        raise UserError(f"model.document_token={m.document_token} is not the document separator of data.tokenizer "
+                        f"{tok.describe()} ({tok.separator!r} = {tok.separator_id}); set "
+                        f"model.document_token={tok.separator_id}")
+    check_run(tok, run_dir)
+    if cfg.checkpoint.init_from:
+        check_run(tok, Path(cfg.checkpoint.init_from), "checkpoint.init_from")
+    return tok
