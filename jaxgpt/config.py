@@ -333,7 +333,7 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
-    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2, Llama or Mixtral weights (a dir with config.json + "
+    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE weights (a dir with config.json + "
                            "model.safetensors)")
 
 

@@ -114,6 +114,7 @@ def byte_to_char() -> tuple[str, ...]:
 
 class Tokenizer:
     """One tokenizer, whatever its file: ids, text, its special tokens and its identity."""
+    kind: str
 
     def __init__(self, name: str, sha256: str, n_vocab: int, specials: dict[str, int], bos: str | None,
                  eos: str | None, chat_template: str | None, path: Path | None):
@@ -151,6 +152,8 @@ class Tokenizer:
 
 
 class _Tiktoken(Tokenizer):
+    kind = "tiktoken"  # GPT-2's (name 'gpt2') or a tiktoken BPE file
+
     def __init__(self, enc: tiktoken.Encoding, ranks: dict[bytes, int], name: str, sha: str, bos: str | None,
                  eos: str | None, chat_template: str | None, path: Path | None):
         self.enc, self.ranks = enc, ranks
@@ -178,6 +181,8 @@ class _Tiktoken(Tokenizer):
 
 
 class _HF(Tokenizer):
+    kind = "hf"  # a tokenizer.json
+
     def __init__(self, path: Path, sha: str, text: str, config: dict, chat_template: str | None):
         from tokenizers import Tokenizer as HFTokenizer  # a few hundred ms: only where a tokenizer.json is read
 
@@ -322,14 +327,14 @@ def _tiktoken_ranks(path: Path, raw: bytes) -> dict[bytes, int]:
     return ranks
 
 
-def check_ids_fit(largest_id: int, vocab_size: int, what: str, tok: Tokenizer | None = None) -> None:
-    """UserError if token ids up to `largest_id` do not fit a model of `vocab_size` tokens (its
-    embedding lookup would clamp them silently)."""
-    if largest_id >= vocab_size:
-        tok = tok or _gpt2()
-        raise UserError(f"{what} holds token id {largest_id}, past this model's vocabulary of {vocab_size} tokens "
-                        f"(model.vocab_size): the tokenizer {tok.describe()} is not the one this model was made for"
-                        + ("; set data.tokenizer to the model's own" if tok.name == TOKENIZER_NAME else ""))
+def check_fits_model(tok: Tokenizer, vocab_size: int) -> None:
+    """UserError (one line) if `tok` has ids past a model of `vocab_size` tokens (its embedding lookup
+    would clamp them silently): not the tokenizer the model was made for."""
+    if tok.n_vocab > vocab_size:
+        raise UserError(f"the tokenizer {tok.describe()} has ids past this model's vocabulary of {vocab_size} "
+                        f"tokens (model.vocab_size): it is not the tokenizer the model was made for"
+                        + ("; a Hugging Face model comes with its own: hf import its directory with tokenizer.json "
+                           "beside the weights, or set data.tokenizer" if tok.name == TOKENIZER_NAME else ""))
 
 
 # --- a run's tokenizer ----------------------------------------------------------------------------
@@ -379,7 +384,7 @@ def keep(run_dir: Path, tok: Tokenizer) -> None:
 
     staging = Path(tempfile.mkdtemp(prefix=f".{RUN_SUBDIR}-", dir=run_dir))
     try:
-        shutil.copyfile(tok.path, staging / (HF_FILE if isinstance(tok, _HF) else "tokenizer.model"))
+        shutil.copyfile(tok.path, staging / (HF_FILE if tok.kind == "hf" else "tokenizer.model"))
         for name in (HF_CONFIG, TEMPLATE_FILE):
             if (tok.path.parent / name).is_file():
                 shutil.copyfile(tok.path.parent / name, staging / name)

@@ -184,7 +184,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     run_data = data.open_run_data(cfg, cache=verified)  # prepared dirs, or data.chat's conversations
     train_tokens, val_tokens, data_vocab = run_data.train, run_data.val, run_data.vocab_size
     validate(cfg, len(devices), data_vocab)
-    tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
+    tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit,  # read and checked before compiling
+                       tok=tokenizer.load(cfg.data.tokenizer))
     cfg, remat_why, memory = resolve_remat(cfg, devices)  # model.remat=auto: a GPU's limit, a CPU's share of the host
     # model.fp8=auto: the linears the step-time model predicts faster in fp8 on this GPU (none on a CPU)
     cfg, fp8_rows, fp8_why = fp8_choice.resolve(cfg, sizes, fp8_choice.target_of(devices[0]))

@@ -45,7 +45,8 @@ _STACK = ("groups", "moe")  # where an MoE model keeps its blocks (jaxgpt/model/
 _MIXTRAL = {"moe_every": (1, "every Mixtral block is MoE"),
             "moe_shared_experts": (0, "Mixtral has no shared experts"),
             "bias": (False, "Mixtral's linears have no biases"),
-            "moe_balance": ("aux", "Mixtral's router has no balancing bias")}
+            "moe_balance": ("aux", "Mixtral's router has no balancing bias"),
+            "moe_norm_topk": (True, "Mixtral renormalises its top-k router weights")}
 
 
 def blockers(m: ModelConfig) -> list[str]:
@@ -116,10 +117,10 @@ CONFIG_SHAPE = {k: v for k, v in llama.CONFIG_SHAPE.items() if k not in ("attent
 
 def model_overrides(hf_cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json -> the model.* keys it implies, the architecture keys included."""
-    return llama.model_overrides(hf_cfg, _SIZES) | {f"model.{k}": v for k, (v, _) in _MIXTRAL.items()}
+    return llama.model_overrides(hf_cfg, _SIZES, eps_default=1e-5) | {f"model.{k}": v for k, (v, _) in _MIXTRAL.items()}
 
 
 def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
     """UserError (one line) unless config.json describes exactly the Mixtral that `m` is."""
     llama.check_config(hf_cfg, m, source, model_overrides, "Mixtral",
-                       [("sliding_window", hf_cfg.get("sliding_window"), None)], eps_default=1e-5)
+                       [("sliding_window", hf_cfg.get("sliding_window"), None)])
