@@ -134,8 +134,9 @@ class Tokenizer:
         """Special tokens parsed (a chat template's rendered text)."""
         raise NotImplementedError
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
-        """`encode_special`'s ids and the character offset each token starts at."""
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode_special`'s ids and the [start, end) characters of `text` each token covers (a
+        token holding part of a character covers that character, as tokenizers' offsets say)."""
         raise NotImplementedError
 
     def decode(self, ids) -> str:
@@ -165,9 +166,11 @@ class _Tiktoken(Tokenizer):
     def encode_special(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         ids = self.encode_special(text)
-        return ids, self.enc.decode_with_offsets(ids)[1]
+        starts = self.enc.decode_with_offsets(ids)[1]
+        ends = [max(b, a + 1) for a, b in zip(starts, [*starts[1:], len(text)])]
+        return ids, list(zip(starts, ends))
 
     def decode(self, ids) -> str:
         return self.enc.decode([int(i) for i in ids])
@@ -204,9 +207,9 @@ class _HF(Tokenizer):
     def encode_special(self, text: str) -> list[int]:
         return self.special.encode(text, add_special_tokens=False).ids
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         out = self.special.encode(text, add_special_tokens=False)
-        return out.ids, [a for a, _ in out.offsets]
+        return out.ids, list(out.offsets)
 
     def decode(self, ids) -> str:
         return self.special.decode([int(i) for i in ids], skip_special_tokens=False)

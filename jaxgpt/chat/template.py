@@ -61,6 +61,7 @@ def _compile(source: str):
     """The template compiled as transformers compiles it (module docstring)."""
     import jinja2
     import jinja2.ext
+    import jinja2.nodes
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -69,7 +70,18 @@ def _compile(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (its assistant-mask markers): the body
+        as it is; the mask is found by rendering (module docstring) whether a template marks it or not."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -175,9 +187,8 @@ class ChatTemplate:
         the document separator first."""
         text = self.render(messages)
         spans = self.spans(messages, text)
-        ids, starts = self.tok.encode_with_offsets(text)
-        starts = np.asarray(starts, np.int64)
-        ends = np.append(starts[1:], len(text))
+        ids, offsets = self.tok.encode_with_offsets(text)
+        starts, ends = np.asarray(offsets, np.int64).reshape(-1, 2).T
         mask = np.zeros(len(ids), np.uint8)
         for a, b in spans:
             mask[(starts < b) & (ends > a)] = 1
