@@ -247,10 +247,11 @@ def _stream(tok: tokenizer.Tokenizer, ids, stop: str | None = None, stop_ids: fr
         if stop and (end := text.find(stop)) >= 0:
             sys.stdout.write(text[len(shown):end])
             return text[:end]
-        safe = text[:len(text) - hold]  # a stop marker's start is kept back until it cannot be one
-        sys.stdout.write(safe[len(shown):])
-        sys.stdout.flush()
-        shown = safe
+        safe = text[:max(0, len(text) - hold)]  # a stop marker's start is kept back until it cannot be one
+        if len(safe) > len(shown):
+            sys.stdout.write(safe[len(shown):])
+            sys.stdout.flush()
+            shown = safe
     text = tok.decode(out)
     sys.stdout.write(text[len(shown):])
     return text

@@ -135,3 +135,46 @@ def test_transformers_qwen3_gives_our_logits(model, tmp_path):
     ours_BTV = np.asarray(nnx.merge(graphdef, params)(tokens_BT))[..., : cfg.model.vocab_size]
     print(f"max |ours - transformers {cls.__name__}| = {np.abs(ours_BTV - theirs_BTV).max():.2e}")
     np.testing.assert_allclose(ours_BTV, theirs_BTV, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dirs(tmp_path_factory):
+    """An HF Qwen3 directory with its own tokenizer (built here), `hf import`ed as a run, exported back."""
+    from helpers import qwen_tokenizer
+
+    from jaxgpt import hf
+
+    tmp = tmp_path_factory.mktemp("qwen3")
+    cfg = tiny_config(*QWEN3)
+    graphdef, params = _perturbed(cfg)
+    qwen_tokenizer(tmp / "source")
+    save_file(qwen3.to_hf(params, cfg.model), tmp / "source" / WEIGHTS)
+    (tmp / "source" / CONFIG).write_text(json.dumps(qwen3.hf_config(cfg.model)))
+    assert hf.main(["import", str(tmp / "source"), str(tmp / "run"), "model.loss_chunk=8"]) == 0
+    assert hf.export(tmp / "run", tmp / "out") == 0
+    return cfg, graphdef, params, tmp
+
+
+def test_an_imported_qwen3_keeps_its_tokenizer_and_exports_it(qwen3_dirs):
+    from transformers import AutoTokenizer
+
+    from jaxgpt import tokenizer
+    from jaxgpt.hf import restore_params
+
+    cfg, _, params, tmp = qwen3_dirs
+    restored, run_cfg, _ = restore_params(tmp / "run")
+    assert run_cfg.data.tokenizer == str(tmp / "run" / "tokenizer") and run_cfg.model.document_token == 384
+    _assert_same_but_padding(restored, params, cfg.model.vocab_size)
+    assert (tmp / "out" / "tokenizer.json").read_bytes() == (tmp / "source" / "tokenizer.json").read_bytes()
+    auto = AutoTokenizer.from_pretrained(tmp / "out")
+    assert auto("ROMEO: héllo", add_special_tokens=False).input_ids == \
+        tokenizer.load(str(tmp / "source")).encode_special("ROMEO: héllo")
+
+
+def test_transformers_qwen3_greedy_text_is_jaxgpt_samples(qwen3_dirs, capsys):
+    """By hand (torch): Qwen3ForCausalLM + AutoTokenizer on the export, logits to 1e-5 and greedy
+    `generate` == `python -m jaxgpt.sample --temperature 0` on the imported run."""
+    from test_hf import _transformers_matches
+
+    hf_model = _transformers_matches(qwen3_dirs, "Qwen3ForCausalLM", capsys)
+    assert type(hf_model.model.layers[0].self_attn).__name__ == "Qwen3Attention"

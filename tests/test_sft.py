@@ -194,3 +194,11 @@ def test_the_bundled_sft_config_reads_its_chat_set():
     run_data = data.open_run_data(cfg)
     assert run_data.vocab_size == 50257 and "4,000 conversations (3,800 train, 200 val)" in run_data.note
     assert "template the built-in ChatML one" in run_data.note and "truncated" not in run_data.note
+
+
+def test_a_streamed_reply_is_its_text_up_to_the_end_of_turn(capsys):
+    gpt2 = tokenizer.load("gpt2")
+    ids = gpt2.encode("Héllo! How can I help you today?<|im_end|>\n<|im_start|>user")
+    assert sample._stream(gpt2, iter(ids), "<|im_end|>") == "Héllo! How can I help you today?"
+    assert capsys.readouterr().out == "Héllo! How can I help you today?"
+    assert sample._stream(gpt2, iter(ids[:3])) == gpt2.decode(ids[:3]) == capsys.readouterr().out

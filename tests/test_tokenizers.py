@@ -137,3 +137,27 @@ def test_prepare_train_sample_export_import_keep_the_tokenizer(toks, tmp_path, c
     assert cfg.data.tokenizer == str(tmp_path / "imported" / "tokenizer") and "data.tokenizer" in implied
     assert cfg.model.document_token == 384
     assert data.open_splits(str(out), tok=tokenizer.load(cfg.data.tokenizer))[2] == 640  # the data still fits
+
+
+def test_transformers_llama3_with_its_own_tokenizer_gives_our_logits_and_greedy_text(toks, tmp_path, capsys):
+    """By hand (torch): a Llama-3-shaped model with its tiktoken tokenizer, written as an HF directory
+    (the tokenizer converted), `hf import`ed and exported back: LlamaForCausalLM + AutoTokenizer give our
+    logits to 1e-5 and greedy `generate` the text of `jaxgpt.sample --temperature 0`."""
+    pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+    from test_hf import LLAMA_3, _perturbed, _transformers_matches
+
+    from jaxgpt import hf
+    from jaxgpt.hf import llama as hf_llama
+
+    llama = tokenizer.load(str(toks[1]))
+    cfg = tiny_config(*LLAMA_3, "model.vocab_size=640")
+    graphdef, params = _perturbed(cfg)
+    (tmp_path / "source").mkdir()
+    write(tmp_path / "source", 32, llama)
+    save_file(hf_llama.to_hf(params, cfg.model), tmp_path / "source" / "model.safetensors")
+    (tmp_path / "source" / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg.model)))
+    assert hf.main(["import", str(tmp_path / "source"), str(tmp_path / "run"), "model.loss_chunk=8"]) == 0
+    assert tokenizer.of_run(tmp_path / "run").sha256 == llama.sha256
+    assert export(tmp_path / "run", tmp_path / "out") == 0
+    _transformers_matches((cfg, graphdef, params, tmp_path), "LlamaForCausalLM", capsys)
