@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxgpt import files
 from jaxgpt.config import ModelConfig
-from jaxgpt.hf import llama
+from jaxgpt.hf import llama, mixtral
 
 # model.* key -> (Qwen3's value, why Qwen3 cannot hold another)
 _QWEN3 = {"norm": ("rmsnorm", "Qwen3's norms are RMSNorm"),
@@ -111,35 +111,8 @@ def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
 
 
-def _expert_names(m: ModelConfig, w: str) -> list[str]:
-    return [f"mlp.experts.{e}.{w}.weight" for e in range(m.moe_experts)]
-
-
-def _moe_tensors(f: dict, m: ModelConfig) -> dict[str, np.ndarray]:
-    out = {"mlp.gate.weight": f["router_kernel"].swapaxes(1, 2)}
-    for w, ours in (("gate_proj", "c_gate_kernel"), ("up_proj", "c_fc_kernel"), ("down_proj", "c_proj_kernel")):
-        torch_LEoi = f[ours].swapaxes(2, 3)
-        out |= {name: torch_LEoi[:, e] for e, name in enumerate(_expert_names(m, w))}
-    return out
-
-
-def _moe_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    D, E, F = m.n_embd, m.moe_experts, m.expert_width
-    shapes = {"mlp.gate.weight": (E, D)}
-    for w, shape in (("gate_proj", (F, D)), ("up_proj", (F, D)), ("down_proj", (D, F))):
-        shapes |= dict.fromkeys(_expert_names(m, w), shape)
-    return shapes
-
-
-def _moe_params(hf: dict[str, np.ndarray], m: ModelConfig) -> dict:
-    def experts(w: str) -> np.ndarray:  # E x [L, out, in] -> our [L, E, in, out]
-        return np.stack([hf[name] for name in _expert_names(m, w)], axis=1).swapaxes(2, 3)
-
-    return {"router_kernel": hf["mlp.gate.weight"].swapaxes(1, 2), "c_gate_kernel": experts("gate_proj"),
-            "c_fc_kernel": experts("up_proj"), "c_proj_kernel": experts("down_proj")}
-
-
-MOE = llama.Mlp(_moe_tensors, _moe_shapes, _moe_params)
+MOE = mixtral.experts("mlp.gate.weight", "mlp.experts.{e}.{w}.weight",
+                      {"c_gate_kernel": "gate_proj", "c_fc_kernel": "up_proj", "c_proj_kernel": "down_proj"})
 _STACK = ("groups", "moe")  # an MoE model's blocks with moe_every=1 (jaxgpt/model/gpt.py)
 
 
