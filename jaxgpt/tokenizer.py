@@ -379,11 +379,13 @@ def check_run(tok: Tokenizer, run_dir: Path, what: str = "this run dir") -> None
 
 def keep(run_dir: Path, tok: Tokenizer) -> None:
     """Copies `tok`'s files into RUN_DIR/tokenizer/ (not GPT-2's, which the package holds), once."""
-    dest = Path(run_dir) / RUN_SUBDIR
-    if tok.path is None or dest.is_dir():
-        return
     import shutil
     import tempfile
+
+    dest = Path(run_dir) / RUN_SUBDIR
+    if tok.path is None or (dest.is_dir() and load(str(dest)).sha256 == tok.sha256):
+        return
+    shutil.rmtree(dest, ignore_errors=True)  # another one: what a killed `hf import` left (train refuses it first)
 
     staging = Path(tempfile.mkdtemp(prefix=f".{RUN_SUBDIR}-", dir=run_dir))
     try:

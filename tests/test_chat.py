@@ -27,7 +27,7 @@ def qwen(tmp_path_factory):
     return qwen_tokenizer(tmp_path_factory.mktemp("qwen") / "tok")
 
 
-def test_ids_and_assistant_mask_are_transformers(qwen):
+def test_ids_and_assistant_mask_equal_apply_chat_templates(qwen):
     from transformers import AutoTokenizer
 
     tok, auto = tokenizer.load(str(qwen)), AutoTokenizer.from_pretrained(qwen)

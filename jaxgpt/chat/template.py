@@ -134,14 +134,21 @@ class ChatTemplate:
             raise BadConversation(f"the chat template failed on it ({type(e).__name__}: {str(e)[:200]})") from None
 
     def knows(self, role: str) -> bool:
-        """Whether the template renders a message of this role (a probe, once per role)."""
+        """Whether the template renders a message of this role: probes, once per role, with the role
+        first, after a user turn, after an exchange and after a system message (a template that
+        insists on alternating turns refuses some of them)."""
         if role not in self._roles:
-            try:
-                text = self._render([{"role": "user", "content": "x"}, {"role": role, "content": _SENTINEL},
-                                     {"role": "assistant", "content": "y"}])
-                self._roles[role] = _SENTINEL in text
-            except Exception:  # noqa: BLE001 - raise_exception on an unknown role, or any template error
-                self._roles[role] = False
+            probe, user, reply = ({"role": role, "content": _SENTINEL}, {"role": "user", "content": "x"},
+                                  {"role": "assistant", "content": "y"})
+            self._roles[role] = False
+            for messages in ([probe], [probe, reply], [user, probe], [user, reply, probe],
+                             [{"role": "system", "content": "z"}, probe]):
+                try:
+                    if _SENTINEL in self._render(messages):
+                        self._roles[role] = True
+                        break
+                except Exception:  # noqa: BLE001 - raise_exception on an unknown role, or any template error
+                    continue
         return self._roles[role]
 
     def check(self, messages, need_assistant: bool = True) -> list[dict]:
