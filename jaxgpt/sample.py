@@ -27,6 +27,7 @@ with no expert capacity limit (jaxgpt/model/moe.py: `drop=False`), so no token i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -118,8 +119,10 @@ def check_host_memory(cfg: Config, num_samples: int) -> None:
 SAMPLING_TEMPORARIES = 2.5  # peak host memory / (KV cache + logits), measured for 500-4,000 samples
 
 
-def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
-    B, _ = prompt_BT.shape
+@functools.lru_cache(maxsize=8)
+def _steps(graphdef, cfg: Config, B: int, temperature: float, top_k: int, top_p: float):
+    """(prefill, decode), jitted once per model and sampling options: a chat's every turn reuses
+    them (prefill compiles once per prompt length, decode once)."""
     dtype = compute_dtype(cfg.model.dtype)
     pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -132,6 +135,12 @@ def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top
     def decode(params, token_B, cache, key):
         logits_BTV, cache = nnx.merge(graphdef, params)(token_B[:, None], dtype, cache)
         return pick(logits_BTV[:, -1], key), cache
+
+    return prefill, decode
+
+
+def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
+    prefill, decode = _steps(graphdef, cfg, prompt_BT.shape[0], temperature, top_k, top_p)
 
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     token_B, cache = prefill(params, jnp.asarray(prompt_BT, jnp.int32), keys[0])

@@ -29,7 +29,7 @@ def _texts() -> list[str]:
     rng = np.random.default_rng(0)
     shakespeare = (REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt").read_text()
     return [*UNICODE, "", "   ", "I'll DON'T they're 3.14159", shakespeare[:5000], shakespeare[-3000:],
-            *("".join(rng.choice(PIECES, 25)) for _ in range(100))]
+            *("".join(rng.choice(PIECES, 25)) for _ in range(40))]
 
 
 @pytest.fixture(scope="module")
