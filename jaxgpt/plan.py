@@ -63,6 +63,9 @@ def abstract_inputs(cfg: Config, mesh, setup) -> tuple[Any, Any]:
     state = abstract_state(cfg, setup)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
+    if cfg.data.chat:  # fine-tuning: (tokens, loss weights), jaxgpt/step.py
+        batch = (batch, jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.float32,
+                                             sharding=named(mesh, ("batch", None))))
     return state, batch
 
 
