@@ -482,7 +482,7 @@ class FromNorm(NamedTuple):
 
 
 class Norm(nnx.Module):
-    """LayerNorm (GPT-2) or RMSNorm over the last axis, in fp32, eps 1e-5. A learned scale unless
+    """LayerNorm (GPT-2) or RMSNorm over the last axis, in fp32, eps model.norm_eps. A learned scale unless
     model.norm_scale=false; a bias for LayerNorm with model.bias. `axis` names the normalised
     dimension ('embed', or 'head_dim' for qk-norm, which is always RMS). `feeds`: the linear kind
     its output goes to ('qkv', 'mlp_in'): the forward keeps each row's statistics for the backward
@@ -494,6 +494,7 @@ class Norm(nnx.Module):
     def __init__(self, cfg: ModelConfig, d: int, rngs: nnx.Rngs, axis: str = "embed", rms: bool | None = None,
                  feeds: str | None = None, after: str | None = None):
         self.rms = cfg.norm == "rmsnorm" if rms is None else rms
+        self.eps = cfg.norm_eps
         self.scale = param(rngs, (d,), (axis,), 0) if cfg.norm_scale else None
         self.bias = param(rngs, (d,), (axis,), None) if cfg.bias and not self.rms else None
         self.flatten = axis == "embed"
@@ -515,7 +516,7 @@ class Norm(nnx.Module):
         gradient's amax; fsdp's bias sums are reductions across devices) and not before an MoE."""
         if self.feeds_fp8 and self.flatten:
             x = self._fenced(x_BTD)
-            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), *self._params(), self.rms)
+            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), *self._params(), self.rms, self.eps)
             return y.reshape(x_BTD.shape), FromNorm(amax=amax)
         if not self.routes():
             return self(x_BTD), FromNorm()
@@ -550,7 +551,7 @@ class Norm(nnx.Module):
         # The backward pass is norm.py's own (bf16 in and out, no fp32 [N, D] temporary).
         x = x_BTD.reshape(-1, x_BTD.shape[-1]) if self.flatten else x_BTD
         keep_stats = not gemm_epilogues(self.feeds_fp8)
-        return normalize(x, self._params()[0], bias, self.rms, keep_stats).reshape(x_BTD.shape)
+        return normalize(x, self._params()[0], bias, self.rms, keep_stats, self.eps).reshape(x_BTD.shape)
 
 
 class MLP(nnx.Module):

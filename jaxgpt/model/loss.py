@@ -45,6 +45,12 @@ The head's table is whatever the caller passes: `wte` for the tied head (GPT-2's
 model.tie_embeddings=false (`model.head_table`). With model.logit_softcap=c the logits are
 c * tanh(z / c) (the label's logit too), and e picks up the factor 1 - (logits / c)^2 after its sum is taken.
 
+Per-token weights (supervised fine-tuning's loss mask, `weights_BT`): the loss is sum(w * nats) /
+sum(w), and the chunk loop scales each row's gradients by its weight where it scales them by
+1 / (its row sum) anyway (dx = (e @ wte) * w / s, dwte^T += (x * w / s)^T e): a row of weight 0
+adds nothing to the loss and gets exactly zero gradient, at no extra pass. Without weights
+(pretraining) the loop is as above.
+
 `model.loss_chunk` sets t; 0 (the default) takes the largest divisor of T that keeps a chunk
 within `AUTO_CHUNK_ROWS` rows per device (on a CPU, n_embd rows if that is more), and t = T is a
 single chunk. Under FSDP the embedding table is gathered once, before the loop, not once per
@@ -157,6 +163,14 @@ def _chunks(x_BTD: jax.Array, t: int) -> jax.Array:
     return shard(x_CBtD, None, "batch", "seq", "act_embed")
 
 
+def _chunks_BT(w_BT: jax.Array, t: int) -> jax.Array:
+    """[B, T] -> [C, B, t] in `_chunks`' order (per-position weights beside the features)."""
+    B, T = w_BT.shape
+    w = _seq_ways(T, t)
+    w_CBt = w_BT.reshape(B, w, T // t, t // w).transpose(2, 0, 1, 3).reshape(T // t, B, t)
+    return shard(w_CBt, None, "batch", "seq")
+
+
 def _unchunk(y_CBt: jax.Array) -> jax.Array:
     """[C, B, t] in `_chunks`' order -> [B, T]."""
     C, B, t = y_CBt.shape
@@ -171,13 +185,20 @@ def _seq_ways(T: int, t: int) -> int:
 
 
 def chunked_cross_entropy(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
-                          dtype: jnp.dtype) -> jax.Array:
-    """Mean cross-entropy of the tied head on final features x [B, T, D] (after ln_f)."""
+                          dtype: jnp.dtype, weights_BT: jax.Array | None = None) -> jax.Array:
+    """Mean cross-entropy of the tied head on final features x [B, T, D] (after ln_f); with
+    `weights_BT` [B, T] (None: every position counts), sum(w * nats) / sum(w) (0 where sum(w) is 0),
+    a position of weight 0 getting exactly zero gradient (module docstring)."""
     B, T, _ = x_BTD.shape
     t = chunk_positions(cfg, _rows_per_device(B))
-    lse = _head_lse(_chunks(x_BTD, t), wte_VD, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap)
-    label = jnp.sum(label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap))
-    return (lse - label) / (B * T)
+    w_CBt = None if weights_BT is None else _chunks_BT(weights_BT.astype(jnp.float32), t)
+    lse = _head_lse(_chunks(x_BTD, t), wte_VD, w_CBt, cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap)
+    label_BT = label_logits(x_BTD, wte_VD, labels_BT, dtype, cfg.logit_softcap)
+    if weights_BT is None:
+        return (lse - jnp.sum(label_BT)) / (B * T)
+    w_BT = weights_BT.astype(jnp.float32)
+    total = jnp.sum(w_BT)
+    return (lse - jnp.sum(w_BT * label_BT)) / jnp.where(total > 0, total, 1.0)
 
 
 def token_nats(x_BTD: jax.Array, wte_VD: jax.Array, labels_BT: jax.Array, cfg: ModelConfig,
@@ -312,34 +333,41 @@ class _Head:
         return dx_BtD, scaled_dot("sbtd,sbtv->sdv", x_SbtD, s_x, dlogits_q_SbtV, s_d, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _head_lse(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
-    """The logsumexp of the head's logits summed over every position (the primal: no gradients)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _head_lse(x_CBtD, wte_VD, w_CBt, vocab_size, dtype, fp8, cap):
+    """The logsumexp of the head's logits summed over every position, each weighted by w_CBt
+    (None: 1) (the primal: no gradients)."""
     head = _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
-    def body(_, x_BtD):
-        return None, jnp.sum(head.lse(head.logits(x_BtD)[0]), axis=-1)
+    def body(_, xs):
+        x_BtD, w_Bt = xs
+        lse_Bt = head.lse(head.logits(x_BtD)[0])
+        return None, jnp.sum(lse_Bt if w_Bt is None else w_Bt * lse_Bt, axis=-1)
 
-    return jnp.sum(jax.lax.scan(body, None, x_CBtD)[1])
+    return jnp.sum(jax.lax.scan(body, None, (x_CBtD, w_CBt))[1])
 
 
-def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
+def _head_lse_fwd(x_CBtD, wte_VD, w_CBt, vocab_size, dtype, fp8, cap):
     """The summed logsumexp and, chunk by chunk, its gradients: e = exp(logits - max) and its row
-    sums s, then dx = (e @ wte) / s and dwte^T += (x / s)^T e (p = e / s). Same GEMMs as autodiff,
-    no recompute; the gradients are the residuals, so the backward pass only scales them."""
+    sums s, then dx = (e @ wte) / s and dwte^T += (x / s)^T e (p = e / s); with weights w, w / s in
+    place of 1 / s. Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the
+    backward pass only scales them."""
     B = x_CBtD.shape[1]
     S = B // _rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
     param_VD, head = wte_VD, _Head(wte_VD, vocab_size, dtype, fp8, cap)
 
     @jax.named_scope("head")
-    def body(dwte_SDV, x_BtD):
+    def body(dwte_SDV, xs):
+        x_BtD, w_Bt = xs
         logits_BtV, x_saved = head.logits(x_BtD)
         m_Bt, total_Bt = head.max_sum(logits_BtV)
         e_BtV, total_Bt = head.exp_weights(logits_BtV, m_Bt, total_Bt)
-        dx_BtD, dwte_chunk_SDV = head.grads(e_BtV, 1 / total_Bt, x_saved, S)
+        inv_Bt = 1 / total_Bt if w_Bt is None else w_Bt / total_Bt
+        dx_BtD, dwte_chunk_SDV = head.grads(e_BtV, inv_Bt, x_saved, S)
         dwte_SDV = dwte_SDV + dwte_chunk_SDV
         lse_Bt = m_Bt + jnp.log(total_Bt)
+        lse_Bt = lse_Bt if w_Bt is None else w_Bt * lse_Bt
         return shard(dwte_SDV, "batch", None, "vocab"), (jnp.sum(lse_Bt, axis=-1), dx_BtD.astype(x_BtD.dtype))
 
     # A [V, D] carry would be all-reduced over the batch axes in every chunk (GSPMD has no
@@ -347,7 +375,7 @@ def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
     # reduction per step. full_like keeps wte's type (dp-varying inside the dp shard_map).
     V, D = head.wte_VD.shape
     zeros_SDV = shard(jax.lax.full_like(param_VD, 0, jnp.float32, shape=(S, D, V)), "batch", None, "vocab")
-    dwte_SDV, (lse_CB, dx_CBtD) = jax.lax.scan(body, zeros_SDV, x_CBtD)
+    dwte_SDV, (lse_CB, dx_CBtD) = jax.lax.scan(body, zeros_SDV, (x_CBtD, w_CBt))
     if head.pin_dwte:
         dwte_SDV = jax.lax.optimization_barrier(dwte_SDV)  # keeps the .T below out of the GEMM
     # Summed straight into the parameter's own layout: under fsdp a reduce-scatter, not an
@@ -355,7 +383,7 @@ def _head_lse_fwd(x_CBtD, wte_VD, vocab_size, dtype, fp8, cap):
     dwte_VD = jnp.sum(dwte_SDV, axis=0).T
     dwte_VD = jnp.pad(dwte_VD, ((0, param_VD.shape[0] - V), (0, 0)))
     dwte_VD = shard(dwte_VD.astype(param_VD.dtype), "vocab", "embed")
-    return jnp.sum(lse_CB), (dx_CBtD, dwte_VD)
+    return jnp.sum(lse_CB), (dx_CBtD, dwte_VD, w_CBt)
 
 
 def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -365,8 +393,8 @@ def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 
 def _head_lse_bwd(vocab_size, dtype, fp8, cap, residuals, g):
-    dx_CBtD, dwte_VD = residuals
-    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD
+    dx_CBtD, dwte_VD, w_CBt = residuals  # the weights get no gradient (they are data)
+    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, None if w_CBt is None else jnp.zeros_like(w_CBt)
 
 
 _head_lse.defvjp(_head_lse_fwd, _head_lse_bwd)
