@@ -50,6 +50,9 @@ SIZE = dict(item.split("=", 1) for item in [*TINY, "train.grad_accum=1", "checkp
 STEPS = {"train.steps": 300}  # the default, divided by 100 where a command leaves it
 STEP_KEYS = {"train.steps", "checkpoint.every", "train.eval_every", "eval.task_every", "logging.every"}
 SIZED = {"jaxgpt.train", "jaxgpt.plan"}
+# a bundled config whose example needs more than TINY's 32 positions: sft-tiny's chat (a templated
+# question of 34 tokens and its answer) is sampled from its run
+CONFIG_SIZE = {"sft-tiny": {"model.seq_len": "128"}}
 EXPECT = re.compile(r"\s#\s*exit (\d+)(?::\s*(.*?))?\s*$")
 
 
@@ -89,6 +92,8 @@ def sized(module: str, args: list[str]) -> list[str]:
                 a = f"{key}={max(1, int(value) // 100)}"
         out.append(a)
     extra = {**SIZE, **{k: str(v // 100) for k, v in STEPS.items()}} if module in SIZED else {}
+    config = args[args.index("--config") + 1] if "--config" in args[:-1] else None
+    extra.update(CONFIG_SIZE.get(config, {}) if module in SIZED else {})
     return out + [f"{k}={v}" for k, v in extra.items() if k not in given]
 
 
@@ -188,6 +193,7 @@ class Workspace:
         with self.mp.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
+            mp.setattr(sys, "stdin", io.StringIO("Hello!\n"))  # an interactive command (sample --chat): one line, then EOF
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 try:
                     rc = main(args)
