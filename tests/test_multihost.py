@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -350,8 +351,12 @@ def test_chaos_a_hang_then_a_lost_host_and_the_run_ends_as_an_undisturbed_one(on
                 launcher.kill()
     said = [line for line in log.read_text().splitlines() if "restarting the group" in line]
     assert len(said) == 2, log.read_text()[-3000:]
-    assert said[0].startswith("launch_multihost: process 0 exited with code 76: hang: process 1 is missing: its last "
-                              "heartbeat ") and said[0].endswith("restarting the group on 2 of 2 processes (hosts 0 1; restart 1)")
+    # process 1 named: "missing" once its heartbeat is older than the watchdog's STALE_S (10 s), else
+    # "behind" (its last heartbeat, at the step before the others'): which one depends on how soon after
+    # the stop process 0 began waiting, and on the machine's load
+    assert re.match(r"launch_multihost: process 0 exited with code 76: hang: process 1 is (missing: its last heartbeat |"
+                    r"behind, \d+ s at step \d+ )", said[0]), said[0]
+    assert said[0].endswith("restarting the group on 2 of 2 processes (hosts 0 1; restart 1)"), said[0]
     assert said[1] == ("launch_multihost: process 1 exited with code 137 (killed by SIGKILL); restarting the group on "
                        "1 of 2 processes (hosts 0; restart 2); was 2")
     stdout = (tmp_path / "launcher.out").read_text()
