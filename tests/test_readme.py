@@ -195,3 +195,22 @@ def test_the_link_check_catches_what_it_should():
     apart = ("First paragraph, 5 ms\n([x](docs/benchmarks.md#runs)).\n\nSecond one, 6 ms.\n\n"
              "- an item, 7 ms\n  ([x](docs/benchmarks.md#runs))\n- the next item, 8 ms\n")
     assert [p.split(":")[1] for p in unlinked_figures(apart, known)] == ["4", "8"]
+
+
+def test_the_quick_tier_has_tests_of_every_file_and_names_only_real_ones():
+    """The README's quick tier (`-m quick`, tests/conftest.py QUICK) takes tests from every test file,
+    and every entry names a file and a test function that exist (a renamed test drops out loudly)."""
+    import ast
+
+    from conftest import QUICK
+    files = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    named = {q.split("::")[0] for q in QUICK}
+    assert not set(files) - named, f"no quick test from {sorted(set(files) - named)}: add one to tests/conftest.py QUICK"
+    for q in QUICK:
+        file, _, name = q.partition("::")
+        assert file in files, q
+        if name:
+            tree = ast.parse((REPO / "tests" / file).read_text())
+            functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+            assert name.split("[")[0] in functions, q
+    assert "-m quick" in (REPO / "README.md").read_text()
