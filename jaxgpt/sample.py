@@ -34,7 +34,8 @@ from jaxgpt import files
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
-from jaxgpt.model import KVCache, compute_dtype
+from jaxgpt.lowering import compute_dtype
+from jaxgpt.model import KVCache
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup
 from jaxgpt.tokenizer import EOT_TEXT, check_ids_fit, gpt2_encoding
@@ -97,7 +98,8 @@ def check_host_memory(cfg: Config, num_samples: int) -> None:
         return
     m = cfg.model
     params = 4 * param_count(m)
-    cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(compute_dtype(m.dtype)).itemsize
+    cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(
+        compute_dtype(m.dtype, "cpu")).itemsize
     logits = 4 * num_samples * m.padded_vocab
     need = params + SAMPLING_TEMPORARIES * (cache + logits)
     if need > available:
@@ -112,7 +114,7 @@ SAMPLING_TEMPORARIES = 2.5  # peak host memory / (KV cache + logits), measured f
 
 def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
     B, _ = prompt_BT.shape
-    dtype = compute_dtype(cfg.model.dtype)
+    dtype = compute_dtype(cfg.model.dtype, jax.devices()[0].platform)
     pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
 
     @jax.jit

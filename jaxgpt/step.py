@@ -64,12 +64,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxgpt.config import Config, ModelConfig, pipeline_microbatches, weight_grads_summed_in_gemm, weights_once_per_step
-from jaxgpt.model import (GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, from_gemm_pieces, gemm_pieces,
-                          head_table, with_prequantized)
+from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
+from jaxgpt.lowering import Lowering, choose
+from jaxgpt.lowering.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, with_copies
+from jaxgpt.model import GPT, REMAT_POLICIES
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
-from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
@@ -92,9 +92,10 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and its parameters as shapes, without allocating anything."""
-    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(cfg.train.seed)))
+def abstract_model(cfg: Config, ops: Lowering | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph (computing through `ops`, jaxgpt/lowering/; default the reference forms)
+    and its parameters as shapes, without allocating anything."""
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(cfg.train.seed), ops))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     assert not jax.tree.leaves(rest), "the model holds non-parameter state the train state would lose"
     return graphdef, params
@@ -117,18 +118,21 @@ def param_logical_axes(params: nnx.State) -> dict[str, Any]:
 
 class Setup(NamedTuple):
     """Everything the loop needs that is fixed for a run."""
-    graphdef: nnx.GraphDef
+    graphdef: nnx.GraphDef  # the model, computing through `ops`
     optimizer: optax.GradientTransformation
     shardings: TrainState  # a NamedSharding per leaf of the state
     logical_axes: dict[str, Any]
+    ops: Lowering  # how the ops compute on this mesh (jaxgpt/lowering/, model.ops), chosen once here
 
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def make_setup(cfg: Config, mesh: Mesh) -> Setup:
-    graphdef, abstract_params = abstract_model(cfg)
+def make_setup(cfg: Config, mesh: Mesh, ops: Lowering | None = None) -> Setup:
+    """ops: the lowering (default: `choose`'s for cfg on mesh)."""
+    ops = choose(cfg.model, mesh) if ops is None else ops
+    graphdef, abstract_params = abstract_model(cfg, ops)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     axes = param_logical_axes(abstract_params)
     param_sh = jax.tree.map(lambda a: named(mesh, a), axes, is_leaf=_is_axes)
@@ -136,7 +140,7 @@ def make_setup(cfg: Config, mesh: Mesh) -> Setup:
     abstract_opt = jax.eval_shape(optimizer.init, split_balance(nnx.to_pure_dict(abstract_params))[0])
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, split_balance(param_sh)[0],
                                    transform_non_params=lambda _: replicated)
-    return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes)
+    return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes, ops)
 
 
 # XLA:CPU spends most of compiling the init in LLVM's -O2 passes over the unrolled threefry rounds
@@ -183,10 +187,10 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg
     model = nnx.merge(graphdef, params)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
-        loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
+        loss = model.loss(x_BTD, batch_BT1[:, 1:], dtype)
         return loss, {"loss": loss, **_document_metrics(batch_BT1, cfg)}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
-    loss = chunked_cross_entropy(x_BTD, head_table(params), batch_BT1[:, 1:], cfg, dtype)
+    loss = model.loss(x_BTD, batch_BT1[:, 1:], dtype)
     aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0  # bias: the aux loss is only logged
     objective = loss + aux_coef * stats.aux + cfg.moe_z_coef * stats.z
     return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load,
@@ -204,7 +208,7 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     x_BTD, labels_BT, stats = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches,
                                                 block_axes, bubble_fill)
     m = cfg.model
-    loss = chunked_cross_entropy(x_BTD, head_table(params), labels_BT, m, dtype) / stages
+    loss = nnx.merge(graphdef, params).loss(x_BTD, labels_BT, dtype) / stages
     # every stage holds the whole batch: its share of the psum over pp, as the loss's
     metrics = {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, m).items()}}
     if stats is None:
@@ -291,7 +295,7 @@ def manual_layout(cfg: Config, mesh: Mesh, setup: Setup) -> Layout:
 def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 0.0):
     """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'} and an MoE model's
     moe_* metrics), the state donated. `bubble_fill`: see pipeline.run (tests)."""
-    A, dtype, m = cfg.train.grad_accum, compute_dtype(cfg.model.dtype), cfg.model
+    A, dtype, m, ops = cfg.train.grad_accum, jnp.dtype(setup.ops.dtype), cfg.model, setup.ops
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
     layout = manual_layout(cfg, mesh, setup)
@@ -302,37 +306,34 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     else:
         objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
-    # (`prequantized`: the block weights' copies made before the micro-batch loop, not differentiated)
-    grad_fn = jax.grad(lambda trainable, bias, prequantized, *args: objective(
-        with_balance(with_prequantized(trainable, prequantized, setup.logical_axes.get("blocks")), bias), *args),
+    # (`copies`: the block weights' copies made before the micro-batch loop, not differentiated)
+    grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(
+        with_balance(with_copies(trainable, copies, setup.logical_axes.get("blocks")), bias), *args),
         has_aux=True)
-    # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch (a dense model's
-    # stacked blocks; a pipeline gathers its stage weights itself, and the experts' GEMMs cast theirs)
-    once = weights_once_per_step(cfg, dict(mesh.shape))  # copies_once_per_step: none where there is nothing to copy
-    in_gemm = weight_grads_summed_in_gemm(cfg, dict(mesh.shape))  # the gradient sums fused into their GEMMs
+    # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch, where the lowering
+    # says (jaxgpt/lowering/copies.py), and their gradients summed inside their GEMMs
+    once = ops.copies_once(bool(m.moe_experts))
+    in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
 
-    def metrics_and_grads(params, bias, batch_BT1, prequantized=None):
-        grads, metrics = grad_fn(params, bias, prequantized, setup.graphdef, batch_BT1)
+    def metrics_and_grads(params, bias, batch_BT1, copies=None):
+        grads, metrics = grad_fn(params, bias, copies, setup.graphdef, batch_BT1)
         return metrics, grads
 
     def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
-        copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(), dtype,
-                                      unrolled=not m.scan_layers, fp32_grads=in_gemm) if once else None
+        copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], ops, dtype, in_gemm) if once else None
         if A == 1:
             return metrics_and_grads(params, bias, batch_BT1, copies)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
         # The gradients of the weights whose GEMMs write them in fp32 (the *Fp32Grad copies) are summed
         # per GEMM (per layer, and per q, k and v where those are GEMMs of their own), stacked once
-        # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy). Summed as
-        # [L, ...] stacks, every micro-batch gathered the layers' gradients into a stack and added
-        # it in a pass of its own (gpt2-1.3b on one H100, 4,111.6 -> 4,037.5 ms a step predicted).
+        # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy; grads_in_gemm).
         axes = setup.logical_axes.get("blocks", {})  # a dense model's (copies are made only for those)
 
         def split(grads: dict) -> dict:
-            return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes)} if copies else grads
+            return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes, ops.qkv_apart)} if copies else grads
 
         def accumulate(carry, micro_BT1):
             metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies)
@@ -405,12 +406,12 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                    out_shardings=(setup.shardings, replicated), donate_argnums=0)
 
 
-def val_sums(x_BTD: jax.Array, labels_BT: jax.Array, table_VD: jax.Array, bytes_V: jax.Array, cfg: ModelConfig,
+def val_sums(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, bytes_V: jax.Array,
              dtype: jnp.dtype) -> dict[str, jax.Array]:
     """What one val batch adds up: `nats` (cross-entropy summed over every position), and for bits
     per byte `text_nats` and `text_bytes`, the same sum and the UTF-8 bytes over the positions whose
     label is text (bytes_V > 0; `<|endoftext|>` is a boundary, not text), as nanochat counts them."""
-    nats_BT = token_nats(x_BTD, table_VD, labels_BT, cfg, dtype)
+    nats_BT = model.token_nats(x_BTD, labels_BT, dtype)
     bytes_BT = bytes_V[labels_BT]
     return {"nats": jnp.sum(nats_BT), "text_nats": jnp.sum(jnp.where(bytes_BT > 0, nats_BT, 0.0)),
             "text_bytes": jnp.sum(bytes_BT)}
@@ -419,7 +420,7 @@ def val_sums(x_BTD: jax.Array, labels_BT: jax.Array, table_VD: jax.Array, bytes_
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     """(params, batch [B, T+1]) -> {'loss': mean cross-entropy (no MoE auxiliary losses), 'text_nats',
     'text_bytes'} (see val_sums), replicated; under pp through the same pipeline as training."""
-    dtype = compute_dtype(cfg.model.dtype)
+    dtype = jnp.dtype(setup.ops.dtype)
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     table = token_bytes(cfg.model.padded_vocab)
     replicated = NamedSharding(mesh, P())
@@ -427,14 +428,14 @@ def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
 
     def sums(params, batch_BT1, bytes_V):
         if S == 1:
-            x_BTD = nnx.merge(setup.graphdef, params)(batch_BT1[:, :-1], dtype, features_only=True)
-            return val_sums(x_BTD, batch_BT1[:, 1:], head_table(params), bytes_V, cfg.model, dtype)
+            model = nnx.merge(setup.graphdef, params)
+            return val_sums(model, model(batch_BT1[:, :-1], dtype, features_only=True), batch_BT1[:, 1:], bytes_V, dtype)
         layout, key = manual_layout(cfg, mesh, setup), stack_key(cfg.model)
 
         def per_stage(params, batch_BT1, bytes_V):  # each stage sums the rows whose head it computes
             x_BTD, labels_BT, _ = pipeline_features(params, setup.graphdef, batch_BT1, cfg, dtype, S,
                                                     layout.microbatches, setup.logical_axes[key])
-            return jax.lax.psum(val_sums(x_BTD, labels_BT, head_table(params), bytes_V, cfg.model, dtype), "pp")
+            return jax.lax.psum(val_sums(nnx.merge(setup.graphdef, params), x_BTD, labels_BT, bytes_V, dtype), "pp")
 
         params = {**params, key: pipeline.to_stage_major(params[key], S, R)}
         return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P(), P()), out_specs=P(),

@@ -65,8 +65,9 @@ from jaxgpt.files import read_jsonl
 from jaxgpt.gpu import fp8_choice
 from jaxgpt.lock import DirLock
 from jaxgpt.metrics import Throughput, mfu, peak_flops
-from jaxgpt.model import compute_dtype, param_count
-from jaxgpt.model.attention import select_kernel
+from jaxgpt.lowering import compute_dtype
+from jaxgpt.lowering.attention import select_kernel
+from jaxgpt.model import param_count
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, local_device, resolve_remat
@@ -175,8 +176,8 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
 def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[str, int],
            started: float) -> TrainState:
     """`train` once the config is valid for the devices and the run dir is this job's."""
-    dtype = compute_dtype(cfg.model.dtype)
-    kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
+    dtype = compute_dtype(cfg.model.dtype, devices[0].platform)
+    kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim, devices[0], cfg.model.document_mask)
     # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,
     # written by process 0, read by all) spare a resumed run from reading unchanged files again.
     verified = run_dir / "data-verified.json"
@@ -239,7 +240,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{_fp8_matmuls(m)} | attention {kernel} ({why}) | remat {m.remat} "
-                      f"({remat_why})", flush=True)
+                      f"({remat_why}) | ops {setup.ops.described}", flush=True)
                 if fp8_why:
                     print("\n".join([fp8_why, *fp8_choice.format_choices(fp8_rows)]), flush=True)
                 if devices[0].platform == "cpu":

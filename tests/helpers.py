@@ -47,6 +47,15 @@ def tiny_config(*overrides: str, mesh: str | None = None):
     return load_config(None, [*TINY, *overrides], mesh)
 
 
+def lowering(model_cfg, ops: str | None = None):
+    """The lowering a one-device run of model_cfg takes (jaxgpt/lowering/), with model.ops=`ops` if given."""
+    import dataclasses
+
+    from jaxgpt.lowering import choose
+    model_cfg = model_cfg if ops is None else dataclasses.replace(model_cfg, ops=ops)
+    return choose(model_cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import layer_loops, loss_loops, tiny_config, train_losses
 
-from jaxgpt.config import validate, weight_grads_summed_in_gemm
+from jaxgpt.config import validate
+from jaxgpt.lowering import choose
 from jaxgpt.hlo import collective_bytes, collectives
 from jaxgpt.parallel.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
@@ -22,6 +23,12 @@ LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=2,ep=4"]  # ep
 # 8 shards instead of one, a matmul split in two and added), which moves a loss of ~10.8 by about
 # 1e-6 per step; after 5 AdamW steps we allow 1e-4 absolute, far below the ~0.1 a step moves it.
 LOSS_ATOL = 1e-4
+
+
+def _in_gemm(cfg, sizes: dict[str, int]) -> bool:
+    """Whether the tuned lowering on a mesh of `sizes` sums the weight gradients inside their GEMMs."""
+    ops = choose(cfg.model, make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values()) or [1]))]))
+    return ops.grads_in_gemm(cfg.train.grad_accum, bool(cfg.model.moe_experts))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +65,7 @@ def test_layout_trains_in_bf16_with_the_default_loss(layout, overrides, n, singl
 
 def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     """bf16, 2 micro-batches: with its layers unrolled the step sums each block weight's fp32
-    gradient per layer inside the GEMM that computes it (jaxgpt.config.weight_grads_summed_in_gemm),
+    gradient per layer inside the GEMM that computes it (trick grads_in_gemm, jaxgpt/lowering/copies.py),
     scanned it sums the stacked bf16-rounded ones. Six steps of AdamW follow the same losses to 2^-12
     relative (3.9e-6 measured): a layer's sum in another layer's place, or a micro-batch left out,
     would turn the updates. Not under fsdp, cp, or with one micro-batch."""
@@ -66,26 +73,26 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     for scan in ("true", "false"):
         cfg = tiny_config("train.steps=6", "train.grad_accum=2", "model.dtype=bfloat16", "model.loss_chunk=0",
                           f"model.scan_layers={scan}", mesh="dp=1")
-        assert weight_grads_summed_in_gemm(cfg, {"dp": 1}) == (scan == "false")
+        assert _in_gemm(cfg, {"dp": 1}) == (scan == "false")
         train(cfg, tmp_path / scan, devices=jax.devices()[:1])
         losses.append(train_losses(tmp_path / scan))
     assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0] - 0.05
     np.testing.assert_allclose(losses[1], losses[0], rtol=2.0 ** -12, atol=0)
     unrolled = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
     for other, sizes in (((), {"fsdp": 2}), ((), {"cp": 2}), (("train.grad_accum=1",), {})):
-        assert not weight_grads_summed_in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
+        assert not _in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
 
 
 def test_remat_dots_runs_no_gemm_of_the_summed_gradients_again():
     """bf16, unrolled, 2 micro-batches on dp=8: the block linears' GEMMs that sum their weight
-    gradients in place are custom VJPs (model/layers.py `_precast_einsum`), and remat=dots and
+    gradients in place are custom VJPs (jaxgpt/lowering/linear.py `_precast_einsum`), and remat=dots and
     dots_no_batch keep the dots inside them as they keep autodiff's (jax.checkpoint traces the
     forward rule). The compiled step holds as many dots under remat=dots as under none, and under
     dots_no_batch two more per layer: the XLA attention's batched einsums (a CPU's), which that
     policy does not keep. remat=full, which runs every block's forward again, holds more still."""
     overrides = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
     cfg = tiny_config(*overrides, "model.remat=dots")
-    assert weight_grads_summed_in_gemm(cfg, {"dp": 8})
+    assert _in_gemm(cfg, {"dp": 8})
     dots = {remat: len(re.findall(r" dot\(", _compiled_hlo("dp=8", *overrides, f"model.remat={remat}")))
             for remat in ("none", "dots", "dots_no_batch", "full")}
     assert dots["none"] > 0 and dots["dots"] == dots["none"], dots

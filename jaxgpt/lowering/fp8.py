@@ -86,15 +86,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxgpt.parallel.mesh import shard, splits
+from jaxgpt.model.remat import SCALE
+from jaxgpt.parallel.mesh import shard
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-
-# The name of every per-tensor scale `quantize` makes. Every remat policy keeps these scalars
-# (jaxgpt/model/remat.py): a block recomputed in the backward pass then casts its activations with the
-# forward's scales instead of reading each one again for its amax.
-SCALE = "fp8_scale"
 
 
 def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
@@ -228,13 +223,13 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
     return (out.astype(jnp.float32) * (sx * sy)).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_einsum(spec: str, w_axes: tuple | None, x: jax.Array, w: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_einsum(spec: str, w_axes: tuple | None, tuned: bool, x: jax.Array, w: jax.Array,
                 x_amax: jax.Array | None = None) -> jax.Array:
-    return _forward(spec, w_axes, x, w, x_amax)[0]
+    return _forward(spec, w_axes, tuned, x, w, x_amax)[0]
 
 
-def _forward(spec, w_axes, x, w, x_amax=None):
+def _forward(spec, w_axes, tuned, x, w, x_amax=None):
     x_q, sx = quantize(x, E4M3, amax=x_amax)
     w_q, sw = quantize(w, E4M3)
     if w_axes is not None:  # the fp8 copy stays sharded like the parameter: fsdp gathers f8, not bf16
@@ -242,17 +237,19 @@ def _forward(spec, w_axes, x, w, x_amax=None):
     return scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
 
 
-def _backward(spec, w_axes, residuals, dy, dw_dtype=None):
+def _backward(spec, tuned, residuals, dy, dw_dtype=None):
+    """dx and dw, dy cast to e5m2. tuned (trick `fp8_pins`): dy pinned and its amax taken over its
+    rows first, and dx's rescale folded into its GEMM (`quantize`, `scaled_dot`: the same values)."""
     x_q, sx, w_q, sw = residuals
     a, b, out = einsum_operands(spec)
-    dy_q, sdy = quantize(dy, E5M2, pin=True, rows=_bias_rows(spec))
-    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=True)
+    dy_q, sdy = quantize(dy, E5M2, pin=tuned, rows=_bias_rows(spec) if tuned else ())
+    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=tuned)
     dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dw_dtype or dy.dtype)
     return dx, dw
 
 
-def _backward_amax(spec, w_axes, residuals, dy):
-    return (*_backward(spec, w_axes, residuals, dy), None)  # x_amax: no gradient, as x's own amax has none
+def _backward_amax(spec, w_axes, tuned, residuals, dy):
+    return (*_backward(spec, tuned, residuals, dy), None)  # x_amax: no gradient, as x's own amax has none
 
 
 _fp8_einsum.defvjp(_forward, _backward_amax)
@@ -270,7 +267,7 @@ class Prequantized(NamedTuple):
 
 
 def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
-                axes: tuple | None = None) -> Prequantized:
+                axes: tuple | None = None, fsdp: bool = False) -> Prequantized:
     """w [stacked axes..., weight axes...] -> its e4m3 copies, one scale per layer, each layer's
     bit for bit what `fp8_einsum` makes of it inside the loop (the weight rounded to `dtype`, its
     amax, the power-of-two scale, the clipped cast). `contracted`: how many leading weight axes
@@ -287,7 +284,7 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     amax = _global(jnp.max(jnp.abs(w_c), axis=tuple(range(stacked, w.ndim))).astype(jnp.float32))
     scale = power_of_two_scale(amax, E4M3)
     q = _scaled_cast(w_c, scale.reshape(scale.shape + (1,) * (w.ndim - stacked)), E4M3)
-    if axes is not None and "embed" in axes and splits("embed") > 1:
+    if axes is not None and "embed" in axes and fsdp:
         return Prequantized(w, shard(q, *axes), None, scale)
     perm = (*range(stacked), *range(stacked + contracted, w.ndim), *range(stacked, stacked + contracted))
     q_t = jnp.transpose(q, perm)
@@ -370,7 +367,7 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
         dy = sum(jax.lax.pad(jnp.expand_dims(g, axis), jnp.zeros((), g.dtype),
                              [(i if d == axis else 0, n - 1 - i if d == axis else 0, 0) for d in range(g.ndim + 1)])
                  for i, g in enumerate(dy))
-    dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
+    dx, dw = _backward(spec, True, residuals, dy, jnp.float32 if fp32_grad else None)
     db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=_bias_rows(spec))
     if isinstance(b, tuple):  # the slices' biases: db's leading axis is theirs
         db = tuple(None if b_i is None else db[i].astype(b_i.dtype) for i, b_i in enumerate(b))
@@ -380,29 +377,6 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
 
 
 _prequantized_einsum.defvjp(_pre_forward, _pre_backward)
-
-
-def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None,
-           x_amax: jax.Array | None = None, *, parts: int | None = None,
-           bias: jax.Array | tuple | None = None) -> jax.Array | tuple[jax.Array, ...]:
-    """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
-    ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
-    gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
-    the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
-    tells which layer each GEMM belongs to. w_axes: the weight's logical axes (its Param's), see
-    `fp8_einsum`. x_amax: max |x| in fp32 where the caller knows it without reading x (the MLP
-    activation's, model/activations.py `activation_amax`); fp8 only. bias: added to the output.
-    parts: an axis of w; the tuple of the output's slices along it (`_prequantized_einsum` takes
-    each as a GEMM of its own)."""
-    with jax.named_scope(name):
-        if isinstance(w, Prequantized):
-            if fp8:
-                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), parts,
-                                            x, *w, x_amax, bias)
-            w = w.w
-        w = w.astype(x.dtype)
-        y = fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
-        return _with_bias(y, bias, spec, parts)
 
 
 def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: int | None) -> jax.Array | tuple:
@@ -416,12 +390,11 @@ def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: i
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,
-               x_amax: jax.Array | None = None) -> jax.Array:
+               x_amax: jax.Array | None = None, tuned: bool = True) -> jax.Array:
     """`jnp.einsum(spec, x, w)` as fp8 GEMMs: e4m3 operands forward, an e5m2 gradient backward.
     x and w share the compute dtype (the model casts its weights), which is also the output's.
-    w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
-    so the cast runs on each device's shard and fsdp's all-gather moves 1 byte an element."""
+    w_axes (the weight's logical axes; None in a pipeline, whose stage weights arrive gathered once
+    per round): its e4m3 copy is constrained to the parameter's sharding, so the cast runs on each
+    device's shard and fsdp's all-gather moves 1 byte an element. tuned: `_backward`'s pins."""
     einsum_operands(spec)
-    if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
-        w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
-    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype), x_amax)
+    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), tuned, x, w.astype(x.dtype), x_amax)
