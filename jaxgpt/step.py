@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.lowering import Lowering, choose
-from jaxgpt.lowering.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, with_copies
+from jaxgpt.lowering.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
 from jaxgpt.model import GPT, REMAT_POLICIES
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
@@ -306,25 +306,30 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     else:
         objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
-    # (`copies`: the block weights' copies made before the micro-batch loop, not differentiated)
-    grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(
-        with_balance(with_copies(trainable, copies, setup.logical_axes.get("blocks")), bias), *args),
-        has_aux=True)
+    # (`copies`: the block weights' and the tables' copies made before the micro-batch loop, not differentiated)
+    def with_both(trainable, bias, copies):
+        blocks, tables = copies or (None, None)
+        return with_balance(with_copies(trainable, blocks, setup.logical_axes.get("blocks"), tables), bias)
+
+    grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(with_both(trainable, bias, copies), *args),
+                       has_aux=True)
     # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch, where the lowering
     # says (jaxgpt/lowering/copies.py), and their gradients summed inside their GEMMs
     once = ops.copies_once(bool(m.moe_experts))
     in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
 
-    def metrics_and_grads(params, bias, batch_BT1, copies=None):
-        grads, metrics = grad_fn(params, bias, copies, setup.graphdef, batch_BT1)
+    def metrics_and_grads(params, bias, batch_BT1, copies=None, tables=None):
+        grads, metrics = grad_fn(params, bias, (copies, tables) if copies or tables else None, setup.graphdef,
+                                 batch_BT1)
         return metrics, grads
 
     def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
         copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], ops, dtype, in_gemm) if once else None
+        tables = table_copies(params, ops, dtype)
         if A == 1:
-            return metrics_and_grads(params, bias, batch_BT1, copies)
+            return metrics_and_grads(params, bias, batch_BT1, copies, tables)
         B, T1 = batch_BT1.shape
         micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
         # The gradients of the weights whose GEMMs write them in fp32 (the *Fp32Grad copies) are summed
@@ -336,7 +341,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
             return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes, ops.qkv_apart)} if copies else grads
 
         def accumulate(carry, micro_BT1):
-            metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies)
+            metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies, tables)
             return jax.tree.map(jnp.add, carry, (metrics, split(grads))), None
 
         names = ["loss", *(MOE_METRICS if m.moe_experts else ()), *(DOCUMENT_METRICS if m.document_mask else ())]

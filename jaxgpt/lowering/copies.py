@@ -62,10 +62,24 @@ def copies_once_per_step(blocks: dict, axes: dict, ops, dtype: jnp.dtype, fp32_g
     return out
 
 
-def with_copies(params: dict, copies: dict | None, axes: dict | None) -> dict:
-    """params with the weights `copies_once_per_step` made copies of replaced by those copies
-    (stacked again where they came per layer), each around the weight in `params` itself: the
-    gradient is taken w.r.t. that one. `axes`: the logical axes of params['blocks']."""
+def table_copies(params: dict, ops, dtype: jnp.dtype) -> dict:
+    """{name: Precast} of the embedding and head tables (wte, wpe, lm_head), cast to `dtype` where each
+    shard lives and then gathered whole along D, once per step (trick tables_in_compute_dtype):
+    under fsdp the lookups and the loss read one gather of dtype's bytes a step, where each read
+    the fp32 table's. The gradient stays the fp32 parameter's (`Lowering.lookup`, loss.py)."""
+    if not (ops.on("tables_in_compute_dtype") and ops.fsdp and dtype != jnp.float32):
+        return {}
+    axes = {"wte": ("vocab", ops.table_axes), "lm_head": ("vocab", ops.table_axes), "wpe": ("pos", (None, None))}
+    return {name: Precast(None, shard(shard(params[name].astype(dtype), first, "embed"), *read))
+            for name, (first, read) in axes.items() if name in params}
+
+
+def with_copies(params: dict, copies: dict | None, axes: dict | None, tables: dict | None = None) -> dict:
+    """params with the weights `copies_once_per_step` (and `table_copies`: tables) made copies of
+    replaced by those copies (stacked again where they came per layer), each around the weight in
+    `params` itself: the gradient is taken w.r.t. that one. `axes`: the logical axes of
+    params['blocks']."""
+    params = {**params, **{name: c._replace(w=params[name]) for name, c in (tables or {}).items()}}
     if not copies:
         return params
     blocks = dict(params["blocks"])

@@ -135,7 +135,8 @@ def chunked_cross_entropy(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.
     B, T, _ = x_BTD.shape
     t = chunk_positions(ops.cfg, rows_per_device(B), T, ops.platform)
     w_CBt = None if weights_BT is None else _chunks(weights_BT.astype(jnp.float32)[..., None], t)[..., 0]
-    lse = _head_lse(_chunks(x_BTD, t), table_VD, w_CBt, ops, dtype)
+    param_VD, copy_VD = _table(table_VD)
+    lse = _head_lse(_chunks(x_BTD, t), param_VD, copy_VD, w_CBt, ops, dtype)
     label_BT = label_logits(x_BTD, table_VD, labels_BT, ops, dtype)
     if weights_BT is None:
         return (lse - jnp.sum(label_BT)) / (B * T)
@@ -148,7 +149,7 @@ def token_nats(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, ops,
     chunk at a time like `chunked_cross_entropy`."""
     B, T, _ = x_BTD.shape
     t = chunk_positions(ops.cfg, rows_per_device(B), T, ops.platform)
-    head = _Head(table_VD, ops, dtype)
+    head = _Head(*_table(table_VD), ops, dtype)
 
     @jax.named_scope("head")
     def body(_, x_BtD):
@@ -175,10 +176,10 @@ class _Head:
     with its per-tensor scale, quantized once per step before the chunk loop. On a CPU with the
     vocabulary whole on each device, only its real rows: no pass masks the padding."""
 
-    def __init__(self, wte_VD: jax.Array, ops, dtype: jnp.dtype):
+    def __init__(self, wte_VD: jax.Array, copy_VD: jax.Array | None, ops, dtype: jnp.dtype):
         cfg = ops.cfg
         vocab_size, self.dtype, self.fp8, self.cap = cfg.vocab_size, dtype, cfg.fp8_head, cfg.logit_softcap
-        self.wte_VD = _gathered(wte_VD, dtype)
+        self.wte_VD = shard(wte_VD.astype(dtype) if copy_VD is None else copy_VD, "vocab", None)  # gathered
         self.online = ops.platform != "cpu"
         self.pin_dwte = pins_dwte(ops.platform, dtype)
         if ops.platform == "cpu" and ops.tp == 1:  # trim: the real rows only
@@ -270,11 +271,11 @@ class _Head:
         return dx_BtD, scaled_dot("sbtd,sbtv->sdv", x_SbtD, s_x, dlogits_q_SbtV, s_d, jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _head_lse(x_CBtD, wte_VD, w_CBt, ops, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_lse(x_CBtD, wte_VD, copy_VD, w_CBt, ops, dtype):
     """The logsumexp of the head's logits summed over every position, weighted by w where given
-    (the primal: no gradients)."""
-    head = _Head(wte_VD, ops, dtype)
+    (the primal: no gradients). copy_VD: the table's copy in the compute dtype, or None."""
+    head = _Head(wte_VD, copy_VD, ops, dtype)
 
     @jax.named_scope("head")  # names the head's GEMMs in the compiled HLO (jaxgpt.hlo.gemm_layers)
     def body(_, xs):
@@ -285,14 +286,14 @@ def _head_lse(x_CBtD, wte_VD, w_CBt, ops, dtype):
     return jnp.sum(jax.lax.scan(body, None, (x_CBtD, w_CBt))[1])
 
 
-def _head_lse_fwd(x_CBtD, wte_VD, w_CBt, ops, dtype):
+def _head_lse_fwd(x_CBtD, wte_VD, copy_VD, w_CBt, ops, dtype):
     """The summed logsumexp and, chunk by chunk, its gradients: e = exp(logits - max) and its row
     sums s, then dx = (e @ wte) w / s and dwte^T += (x w / s)^T e (p = e / s; w = 1 unweighted).
     Same GEMMs as autodiff, no recompute; the gradients are the residuals, so the backward pass
     only scales them."""
     B = x_CBtD.shape[1]
     S = B // rows_per_device(B)  # batch shards: each keeps its own partial dwte through the loop
-    param_VD, head = wte_VD, _Head(wte_VD, ops, dtype)
+    param_VD, head = wte_VD, _Head(wte_VD, copy_VD, ops, dtype)
 
     @jax.named_scope("head")
     def body(dwte_SDV, xs):
@@ -322,15 +323,18 @@ def _head_lse_fwd(x_CBtD, wte_VD, w_CBt, ops, dtype):
     return jnp.sum(lse_CB), (dx_CBtD, dwte_VD)
 
 
-def _gathered(wte_VD: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """The table in the compute dtype, whole along D: under FSDP one gather per micro-batch, in
-    the compute dtype, before the chunk loop (not one per chunk); the gradient is the custom_vjp's."""
-    return shard(wte_VD.astype(dtype), "vocab", None)
+def _table(table_VD) -> tuple[jax.Array, jax.Array | None]:
+    """(the fp32 table, its copy in the compute dtype gathered once per step, or None) of a Param,
+    an array or a `Precast` (copies.py `table_copies`). Without a copy `_Head` casts the table and
+    gathers it once per micro-batch, before the chunk loop."""
+    from jaxgpt.lowering.linear import Precast
+    w = table_VD.get_value() if hasattr(table_VD, "get_value") else table_VD
+    return (w.w, w.c) if isinstance(w, Precast) else (w, None)
 
 
 def _head_lse_bwd(ops, dtype, residuals, g):
     dx_CBtD, dwte_VD = residuals
-    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, None  # the weights: data, no gradient
+    return (g * dx_CBtD).astype(dx_CBtD.dtype), g * dwte_VD, None, None  # the copy: none; the weights: data
 
 
 _head_lse.defvjp(_head_lse_fwd, _head_lse_bwd)

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jaxgpt.config import OPS_FORMS as FORMS, TRICKS, ModelConfig
 from jaxgpt.lowering import activations, loss
 from jaxgpt.lowering.attention import causal_attention, select_kernel
-from jaxgpt.lowering.linear import (add_bias, dense, fence, fence_gradient, folded_bias, passes_input_bias_grad,
-                                    weight_as_read)
+from jaxgpt.lowering.linear import (Precast, add_bias, dense, fence, fence_gradient, folded_bias,
+                                    passes_input_bias_grad, weight_as_read)
 from jaxgpt.lowering.norm import normalize, normalize_with_amax
 from jaxgpt.model.ops import Ops
 from jaxgpt.parallel.mesh import shard
@@ -247,19 +247,27 @@ class Lowering(Ops):
         x_ND = x.reshape(-1, D)  # added as rows [B*T, D], the GEMM's own shape
         return ((jax.lax.optimization_barrier(x_ND) if barrier else x_ND) + y.reshape(-1, D)).reshape(x.shape)
 
-    def lookup(self, table_VD, ids, dtype):
-        """The table's rows for ids, in dtype: whole rows, V kept on tp (Megatron's vocab-parallel
-        embedding) except where fsdp and tp are both > 1 (there XLA:GPU's partitioner aborted on
-        this gather inside the train step's dp shard_map: the table is read whole). With
-        `tables_in_compute_dtype` gathered in dtype, the gradient scattered in the table's."""
-        axes = (None if self.fsdp and self.tp > 1 else "vocab", None)
-        if self.on("tables_in_compute_dtype"):
-            return _rows(table_VD, ids, jnp.dtype(dtype), axes)
-        return shard(table_VD, *axes)[ids].astype(dtype)
+    @property
+    def table_axes(self) -> tuple:
+        """How a [V, D] table is read: whole rows, V kept on tp (Megatron's vocab-parallel
+        embedding), except where fsdp and tp are both > 1: there XLA:GPU's partitioner aborted on
+        the lookup inside the train step's dp shard_map, so the table is read whole."""
+        return (None if self.fsdp and self.tp > 1 else "vocab", None)
 
-    def embed(self, table_VD, ids_BT, dtype, plus_TD=None):
-        rows_BTD = self.lookup(table_VD, ids_BT, dtype if self.on("tables_in_compute_dtype") else table_VD.dtype)
-        x_BTD = (rows_BTD if plus_TD is None else rows_BTD + plus_TD).astype(dtype)
+    def lookup(self, table_VD, ids, dtype, axes=None):
+        """The table's rows for ids (a Param, an array, or the table's `Precast` copy, gathered
+        once per step in the compute dtype: `tables_in_compute_dtype`), in dtype. axes: how the
+        table is read (default `table_axes`)."""
+        w, axes = table_VD.get_value() if hasattr(table_VD, "get_value") else table_VD, axes or self.table_axes
+        if isinstance(w, Precast):
+            return _copy_rows(w.w, w.c, ids, axes).astype(dtype)
+        return shard(w, *axes)[ids].astype(dtype)
+
+    def embed(self, table_VD, ids_BT, dtype, positions=None):
+        x_BTD = self.lookup(table_VD, ids_BT, jnp.float32)
+        if positions is not None:
+            x_BTD = x_BTD + self.lookup(positions[0], positions[1], jnp.float32, (None, None))
+        x_BTD = x_BTD.astype(dtype)
         return fence(x_BTD) if self.on("embed_fence") else x_BTD  # an array of its own in dtype
 
     def attention(self, q_BTHK, k_BTGK, v_BTGK, docs=None):
@@ -290,20 +298,20 @@ class Lowering(Ops):
         return loss.chunk_positions(self.cfg, loss.rows_per_device(B), T, self.platform)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rows(table_VD, ids, dtype, axes):
-    """table[ids] in dtype, the table cast before it is gathered (under fsdp: its shards gathered
-    in dtype); the gradient scatter-added in the table's own dtype, as autodiff of the fp32 lookup."""
-    return shard(table_VD.astype(dtype), *axes)[ids]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _copy_rows(table_VD, copy_VD, ids, axes):
+    """copy[ids] (the table's copy in the compute dtype, gathered once per step); the gradient
+    scatter-added into the fp32 table, as autodiff of the fp32 lookup gives it."""
+    return copy_VD[ids]
 
 
-def _rows_fwd(table_VD, ids, dtype, axes):
-    return _rows(table_VD, ids, dtype, axes), (table_VD, ids)
+def _copy_rows_fwd(table_VD, copy_VD, ids, axes):
+    return copy_VD[ids], (table_VD, ids)
 
 
-def _rows_bwd(dtype, axes, res, g):
+def _copy_rows_bwd(axes, res, g):
     table_VD, ids = res  # zeros of the table's type: dp-varying inside the train step's dp shard_map
-    return shard(jnp.zeros_like(table_VD).at[ids].add(g.astype(table_VD.dtype)), *axes), None
+    return shard(jnp.zeros_like(table_VD), *axes).at[ids].add(g.astype(table_VD.dtype)), None, None
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+_copy_rows.defvjp(_copy_rows_fwd, _copy_rows_bwd)

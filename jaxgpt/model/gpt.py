@@ -40,17 +40,13 @@ Beyond GPT-2 (each key defaults to GPT-2's choice, which keeps the tree above ex
     model.logit_softcap=c      logits c * tanh(logits / c)
 A Llama-style block: x + attn(rmsnorm(x)) and x + swiglu(rmsnorm(x)), the same pre-norm residual.
 
-Options. `model.fp8` runs the linear layers of each block through `fp8.fp8_einsum` (true: all;
-a list or a resolved auto: those named, ModelConfig.fp8_linears);
-`model.remat` recomputes each block's activations in the backward pass under a
+Options. `model.remat` recomputes each block's activations in the backward pass under a
 `jax.checkpoint` policy (remat.py: memory for FLOPs); `model.scan_layers=false` unrolls the scan
 over the stacked blocks (the parameters stay stacked). Scanned, every activation the backward pass
 keeps from a block is written into an [L, ...] stack and read back out of it, a copy each way per
-layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
-predicted (remat=none, 4 micro-batches): 1,930 -> 956 ms a step; on a CPU no difference; compile
-time grows with depth (13.7 -> 22.5 s for gpt2-124m). (Predicted again on 2026-11-28: 1,322.2
-scanned against 982.3 unrolled, with the residual stream carried as [B*T, D] rows, `run_blocks`.)
-`model.attention` picks the kernel (attention.py, beside the attention layer). The package
+layer and per micro-batch; unrolled, XLA keeps each as its own buffer, and compiles take longer
+(docs/benchmarks.md). How each op computes (its kernel, fp8, fused forms: model.ops,
+model.attention, model.fp8) is the lowering's, handed in as `ops` (ops.py). The package
 docstring lists what each file holds.
 
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
@@ -143,11 +139,10 @@ class GPT(nnx.Module):
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`;
         training under context parallelism, in its device order (jaxgpt/parallel/context.py)."""
         cp = balanced_ways(tokens_BT.shape[1]) if isinstance(pos, int) and pos == 0 else 1
-        wpe_TD = None
+        positions = None  # learned positions: wpe's rows for each index's position
         if self.cfg.position == "learned":
-            wpe_TD = jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1]) if cp == 1 else \
-                to_device_order(self.wpe[...], cp, axis=0)
-        x_BTD = self.ops.embed(self.wte[...], to_device_order(tokens_BT, cp), dtype, wpe_TD)
+            positions = (self.wpe, to_device_order(pos + jnp.arange(tokens_BT.shape[1]), cp, axis=0))
+        x_BTD = self.ops.embed(self.wte, to_device_order(tokens_BT, cp), dtype, positions)
         return shard(x_BTD, "batch", "seq", "act_embed")
 
     def documents(self, tokens_BT: jax.Array, cache: KVCache | None = None) -> Documents | None:
@@ -220,10 +215,10 @@ class GPT(nnx.Module):
         return self.ops.token_nats(x_BTD, self._head(), labels_BT, dtype)
 
     def _head(self) -> jax.Array:
-        return self.wte[...] if self.cfg.tie_embeddings else self.lm_head[...]
+        return self.wte if self.cfg.tie_embeddings else self.lm_head
 
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        return head_logits(self.ln_f(x_BTD), self._head(), self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
+        return head_logits(self.ln_f(x_BTD), self._head()[...], self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
 
 
 def head_table(params: dict) -> jax.Array:

@@ -73,12 +73,16 @@ class Ops:
         """x + y, a block's residual add; after: the linear kind that wrote y (None: no GEMM's)."""
         return x + y
 
-    def embed(self, table_VD, ids_BT, dtype, plus_TD=None):
-        """The rows of the [V, D] table for ids [B, T], plus plus_TD (learned positions), in
-        `dtype`. The table is read whole along D (fsdp's shards gathered) and split over tp along
-        V, as Megatron's vocab-parallel embedding."""
-        rows_BTD = shard(table_VD, "vocab", None)[ids_BT]
-        return (rows_BTD if plus_TD is None else rows_BTD + plus_TD).astype(dtype)
+    def embed(self, table_VD, ids_BT, dtype, positions=None):
+        """The rows of the [V, D] table (a Param or an array) for ids [B, T], plus with learned
+        positions (wpe [T, D], position of each index [T]) wpe's rows, in `dtype`. The table is read
+        whole along D (fsdp's shards gathered) and split over tp along V, as Megatron's
+        vocab-parallel embedding."""
+        x_BTD = shard(table_VD[...], "vocab", None)[ids_BT]
+        if positions is not None:
+            wpe_TD, at_T = positions
+            x_BTD = x_BTD + shard(wpe_TD[...], None, None)[at_T]
+        return x_BTD.astype(dtype)
 
     def attention(self, q_BTHK, k_BTGK, v_BTGK, docs: Documents | None = None):
         """softmax(q k^T / sqrt(K) + mask) v, [B, T, H, K], query head h reading key/value head
@@ -108,12 +112,12 @@ class Ops:
 
     def token_nats(self, x_BTD, table_VD, labels_BT, dtype):
         """Cross-entropy in nats of each position's label [B, T], fp32: logsumexp(logits) -
-        logit[label], the logits the head's (x @ table^T, operands in `dtype`, rounded to it;
+        logit[label], the logits the head's (x @ table^T, the table a Param or an array, operands in `dtype`, rounded to it;
         soft-capped at model.logit_softcap; the vocabulary's padding rows excluded). A chunk of
         `loss_chunk` positions at a time, each recomputed for the backward pass, so that only one
         chunk's [B, t, V] logits exist at a time."""
         B, T, D = x_BTD.shape
-        t, table_VD, cfg = self.loss_chunk(B, T), table_VD.astype(dtype), self.cfg
+        t, table_VD, cfg = self.loss_chunk(B, T), table_VD[...].astype(dtype), self.cfg
 
         @jax.checkpoint
         def nats(x_BtD, labels_Bt):

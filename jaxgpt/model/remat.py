@@ -20,7 +20,7 @@ the dots policies keep its einsums' outputs as they keep any other matmul's.
 
 A kernel is recognised by the primitive JAX binds for its forward: `dot_product_attention_fwd_wrapper`
 for cuDNN's (jax.nn.dot_product_attention), and for tokamax's the `remat_opt` of its custom VJP
-(`custom_vjp(optimize_remat=True)`) around a Pallas kernel (a `pallas_call`, or Mosaic GPU's `mpmd_map`).
+(optimize_remat=True) around a Pallas kernel (a `pallas_call`, or Mosaic GPU's `mpmd_map`).
 
 `resolve` compiles the real train step (jaxgpt.plan.plan, nothing runs) with each policy in that
 order and takes the first whose per-device total (XLA's memory analysis: arguments + outputs -
