@@ -12,22 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import lowering, tiny_config
+from helpers import lowering, packed_batch, tiny_config
 
-from jaxgpt.config import TRICKS
+from jaxgpt.config import TRICKS, validate
 from jaxgpt.lowering.activations import relu2, swiglu
 from jaxgpt.lowering.norm import normalize
 from jaxgpt.model import GPT, Ops
-from jaxgpt.step import objective_fn
+from jaxgpt.parallel.mesh import make_mesh
+from jaxgpt.step import init_state, make_setup, make_train_step, objective_fn
 
 # The tricks that act in fp32 on a CPU, each with the ones it builds on; the others act only in
-# bf16 (the weight copies, gelu_derivative: tests/test_kernels.py), in fp8 (below) or on a GPU (dx_chain).
-FP32_TRICKS = {"norm_vjp": (), "norm_recompute": ("norm_vjp",), "norm_column_sums": ("norm_vjp",),
+# bf16 (the weight copies, gelu_derivative: tests/test_kernels.py) or in fp8 (below).
+FP32_TRICKS = {"norm_vjp": (), "norm_recompute": ("norm_vjp",),
                "norm_fence": ("residual_epilogue",), "routed_bias": (), "activation_vjps": (),
-               "residual_epilogue": (), "qkv_gemms": (), "qkv_bias_drop": (), "stream_rows": (), "embed_fence": (),
+               "residual_epilogue": (), "qkv_gemms": (), "qkv_bias_drop": (), "embed_fence": (),
                "tables_in_compute_dtype": (), "fused_loss": ()}
 FP8_TRICKS = {"fp8_pins": (), "h_fence": (), "activation_amax": (), "norm_amax": ("norm_vjp",)}
-ELSEWHERE = {"dx_chain", "precast", "pieces", "grads_in_gemm", "gelu_derivative", "prequantize", "fp8_pieces"}
+ELSEWHERE = {"precast", "pieces", "grads_in_gemm", "gelu_derivative", "prequantize", "fp8_pieces"}
 FAMILIES = {  # a model of each kind the tricks treat apart, every bias random (none is zero at init)
     "gpt2": (),
     "rope_gqa_swiglu": ("model.position=rope", "model.n_kv_head=2", "model.mlp=swiglu", "model.mlp_hidden=64"),
@@ -76,16 +77,50 @@ def _assert_close(got, want, name, rtol=1e-5):
                                    err_msg=f"{name}: {jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_each_trick_and_all_of_them_equal_the_reference(family):
-    """fp32 on one CPU device: each trick alone (on the ones it builds on) and all of them
-    (model.ops=tuned's, less the bf16, fp8 and GPU ones) give the reference forms' loss and every
-    gradient to fp32 rounding, 1e-5 relative (the norms' and the loss's sums in another order, a
-    bias's gradient routed through the weights it feeds), with random biases everywhere: a trick
-    that dropped, folded or routed a bias wrongly would move its gradient by ~1e-1."""
-    results = _losses_and_grads(tiny_config(*FAMILIES[family]), FP32_TRICKS)
+def test_each_trick_and_all_of_them_equal_the_reference():
+    """fp32 on one CPU device, GPT-2's block (every bias random): each trick alone (on the ones it
+    builds on) and all of them (model.ops=tuned's, less the bf16 and fp8 ones) give the reference
+    forms' loss and every gradient to fp32 rounding, 1e-5 relative (the norms' and the loss's sums
+    in another order, a bias's gradient routed through the weights it feeds): a trick that dropped,
+    folded or routed a bias wrongly would move its gradient by ~1e-1. The other blocks, and every
+    layout, in the next test."""
+    results = _losses_and_grads(tiny_config(*FAMILIES["gpt2"]), FP32_TRICKS)
     for name, got in results.items():
         _assert_close(got, results["reference"], name)
+
+
+# (mesh, model family): every parallel axis (dp by hand, fsdp, tp, pp, cp, ep) under one family or another
+LAYOUT_FAMILIES = {
+    "dp2_fsdp2_tp2_gpt2": ("dp=2,fsdp=2,tp=2", FAMILIES["gpt2"]),
+    "dp4_tp2_rope_gqa_swiglu": ("dp=4,tp=2", FAMILIES["rope_gqa_swiglu"]),
+    "pp2_dp2_tp2_llama": ("pp=2,dp=2,tp=2", (*FAMILIES["llama_qk_norm"], "model.n_layer=4")),
+    "cp2_dp2_tp2_documents": ("cp=2,dp=2,tp=2", ("model.document_mask=true", "model.position=rope")),
+    "dp2_ep4_moe": ("dp=2,ep=4", ("model.moe_experts=8", "model.moe_top_k=2", "model.moe_dispatch=dropless")),
+}
+
+
+def _one_step(cfg) -> tuple[dict, list]:
+    """(metrics, the AdamW state's leaves) after one train step on cfg's mesh of the 8 CPU devices."""
+    mesh = make_mesh(validate(cfg, 8))
+    with jax.set_mesh(mesh):
+        setup = make_setup(cfg, mesh)
+        state, metrics = make_train_step(cfg, mesh, setup)(init_state(cfg, setup), packed_batch(0))
+    return jax.device_get(metrics), jax.device_get(jax.tree.leaves(state.opt_state))
+
+
+@pytest.mark.parametrize("family", LAYOUT_FAMILIES)
+def test_the_reference_and_the_tuned_forms_take_the_same_step_on_every_layout(family):
+    """The real train step (fp32, 2 micro-batches) on a layout of each parallel axis, with
+    model.ops=reference and tuned: the same loss and gradient norm, and the same AdamW moments
+    (0.1 g and 0.05 g^2 of every parameter's gradient g) to 1e-5 relative, the layouts' fp32
+    tolerance for one step: both forms train every layout, and each trick holds under it."""
+    mesh, overrides = LAYOUT_FAMILIES[family]
+    (m_ref, s_ref), (m_tuned, s_tuned) = (_one_step(tiny_config(*overrides, "train.grad_accum=2", f"model.ops={ops}",
+                                                                mesh=mesh)) for ops in ("reference", "tuned"))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(m_tuned[key], m_ref[key], rtol=1e-5, err_msg=key)
+    for a, b in zip(s_tuned, s_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.abs(b).max() or 1))
 
 
 def test_fp8_tricks_keep_the_fp8_reference_loss():
@@ -280,7 +315,7 @@ def test_precast_linear_matches_autodiff_with_an_fp32_weight_gradient(spec, x_sh
 
     @jax.jit
     def run(x, w, dy):
-        ours = jax.vjp(lambda x, w: _precast_einsum(spec, jnp.float32, True, None, False, x, w, w.astype(jnp.bfloat16)), x, w)
+        ours = jax.vjp(lambda x, w: _precast_einsum(spec, jnp.float32, True, None, x, w, w.astype(jnp.bfloat16)), x, w)
         ref = jax.vjp(lambda x, w: jnp.einsum(spec, x, w.astype(jnp.bfloat16)), x, w)
         a, b = spec.split("->")[0].split(",")
         exact = jnp.einsum(f"{a},{out}->{b}", x.astype(jnp.float32), dy.astype(jnp.float32),
@@ -315,7 +350,7 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
 
     @jax.jit
     def run(x, w, b, dy):
-        ours = jax.vjp(lambda x, w, b: _precast_einsum("btd,dhk->bthk", jnp.float32, fp32_grad, 1, False, x, w,
+        ours = jax.vjp(lambda x, w, b: _precast_einsum("btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w,
                                                        w.astype(jnp.bfloat16), tuple(b)), x, w, b)
         ref = jax.vjp(lambda x, w, b: jnp.einsum("btd,dshk->btshk", x, w.astype(jnp.bfloat16)) + b.astype(jnp.bfloat16),
                       x, w, b)
@@ -329,7 +364,7 @@ def test_qkv_as_three_gemms_with_the_bias_in_their_epilogue_matches_the_fused_pr
     ys, (dx, dw, db), y_ref, (_, dw_ref, _), (y_exact, dx_exact, dw_exact, db_exact) = run(x, w, b, dy)
     # q's bias alone (attention's k and v GEMMs add none: trick qkv_bias_drop): the same bias gradient
     q_only = jax.jit(lambda x, w, b, dy: jax.vjp(lambda x, w, b: _precast_einsum(
-        "btd,dhk->bthk", jnp.float32, fp32_grad, 1, False, x, w, w.astype(jnp.bfloat16), (b, None, None)), x, w,
+        "btd,dhk->bthk", jnp.float32, fp32_grad, 1, x, w, w.astype(jnp.bfloat16), (b, None, None)), x, w,
         b)[1](dy))
     np.testing.assert_array_equal(q_only(x, w, b[0], dy)[2], db[0])
 

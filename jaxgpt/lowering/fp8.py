@@ -1,4 +1,5 @@
-"""fp8 matmuls for the transformer's linear layers (`model.fp8=true`).
+"""fp8 matmuls for the transformer's linear layers (`model.fp8`): a choice of the lowering, as
+float8 is a converter in torchtitan; the model never knows (ops.py `Lowering.linear`).
 
 Formats. Forward operands (activations and weights) are float8_e4m3fn (3 mantissa bits, max 448):
 precision matters more than range there. The gradient flowing back into a matmul is float8_e5m2
@@ -7,73 +8,32 @@ GEMM, and the result is rescaled and written in the compute dtype.
 
 Scaling recipe: current (dynamic) per-tensor scaling. Each operand is divided by the smallest
 power of two >= amax(|x|) / fp8_max just before the cast, so its largest element lands in the
-format's top binade (torchao's power-of-two scales; MX formats' scales are powers of two too), and
-the GEMM's result is multiplied back by both scales. A power of two makes that multiply exact: the
-GEMM can write its result in the compute dtype, rounded once, and the rescale after it moves no
-precision. (A scale of exactly amax / fp8_max used the top binade fully, but then the GEMM had to
-write fp32, for the rescale and cast in the next fusion: in gpt2-124m's compiled H100 step that was
-2 x 6,912 extra bytes per token and layer; 1,166.1 -> 1,059.3 ms predicted.) The amax is computed
-from the tensor itself on every step: one reduction per operand, but no state (nothing to
-checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
-The one exception is the MLP activation (mlp_out's input): its amax comes from the pre-activation
-h (model/activations.py `activation_amax`, `linear`'s x_amax), so the kernel that casts it computes
-it from h and it is never written in bf16. An incoming gradient's amax is taken over its rows
-first (`_column_amax`), the shape of the bias gradient's sum, so one kernel computes both.
-Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
-train step's `shard_map` (jaxgpt/step.py) the manual dp axis is split by hand, so an explicit
-`pmax` over it makes it global there too: one scale per tensor on every layout. (pp, also manual
-in a pipelined step, holds different layers per stage: no pmax over it.)
+format's top binade (torchao's power-of-two scales; MX formats' are powers of two too), and the
+GEMM's result is multiplied back by both scales: exact, so the GEMM writes the compute dtype,
+rounded once. The amax is the tensor's own on every step: no state to checkpoint, no stale scale
+after a loss spike (delayed scaling's weakness). Inside the train step's `shard_map` the manual
+dp axis is split by hand, so a `pmax` over it keeps one scale per tensor on every layout (pp's
+stages hold other tensors: no pmax over it). Tuned forms take some amaxes from a bound their
+producer already has (norm_amax, activation_amax) and reduce a gradient's over its rows first,
+in the kernel that sums its bias gradient (fp8_pins).
 
-Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with the compute
-dtype as `preferred_element_type`, then the exact `* scale_x * scale_w`. XLA:GPU's GEMM rewriter
-turns a dot with fp8 operands (at least one e4m3) into a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`,
-QGMMA on Hopper) that accumulates in fp32 and writes bf16 (tests/test_gpu_compile.py holds it). The
-older quantize-dequantize form (fp8 -> bf16 * scale, then an ordinary dot) relied on the rewriter
-recognising that pattern after other passes had run; they simplified it away and no fp8 GEMM
-formed on a real H100 (docs/benchmarks.md). Flax and Transformer Engine moved to direct fp8 dots
-for the same reason. On CPU, XLA upcasts the fp8 operands and computes the same products exactly
-(an e4m3 x e4m3 or e5m2 x e4m3 product is exact in fp32), which is what the CPU tests check.
+Direct fp8 GEMMs: `lax.dot_general` on the fp8 arrays with the compute dtype as its preferred
+type, which XLA:GPU's GEMM rewriter turns into a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`;
+tests/test_gpu_compile.py holds it). The older quantize-dequantize pattern was simplified away
+before the rewriter saw it, on a real H100 (docs/benchmarks.md). On a CPU, XLA upcasts the fp8
+operands and computes the same products exactly, which is what the CPU tests check.
 
-Weights under fsdp. A block weight is split over fsdp along its width and gathered before its GEMM.
-Its e4m3 copy is constrained to the parameter's own sharding (`linear`'s w_axes, the Param's
-logical axes), so the cast runs on each device's shard (the amax of a shard, then an all-reduce of
-one scalar) and the all-gather moves 1 byte an element instead of bf16's 2; the backward pass
-gathers the saved e4m3 shard again for dx, as fsdp regathers a weight (tests/test_gpu_compile.py
-reads the f8 all-gathers in the compiled H100 step). A pipelined step is left alone: its stage
-weights are gathered whole in fp32 once per round of the schedule (`pipeline.gather_once`), and
-re-splitting them for an f8 gather per use would add traffic, not save it.
+Weights under fsdp: a weight's e4m3 copy is constrained to the parameter's own sharding, so the
+cast runs on each shard and the all-gather moves 1 byte an element (a pipeline's stage weights,
+gathered whole once a round, are left alone). Once per step (trick prequantize, copies.py) the
+train step writes each layer's e4m3 copy in the weight's layout (the dx GEMM's operand) and with
+the forward's contracted axes last (the forward's K-major operand); the loop's GEMMs read them
+(`Prequantized`, `_prequantized_einsum`), bit for bit what quantizing in the loop gives.
 
-Weights once per step. The train step quantizes a dense model's block weights before its
-micro-batch loop, one micro-batch or many (`prequantize`, via
-jaxgpt/model/layers.py `prequantize_weights`): each layer's e4m3 copy in the weight's own layout
-(the dx GEMM's operand) and with the forward's contracted axes last (the forward GEMM's K-major
-operand), written by one kernel per weight, once a step. Inside the loop the GEMMs read them
-(`Prequantized`, `_prequantized_einsum`); the gradient is still the parameter's. Bit for bit what
-quantizing in the loop gives (tests/test_kernels.py), and on gpt2-1.3b's 16 micro-batches on one
-H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. With
-one micro-batch it is the same work, but one kernel then writes both layouts, where quantizing in
-the loss transposed the e4m3 copy in a kernel of its own (the llama-8b slice at one micro-batch:
-739.9 -> 732.2 ms predicted, stop 52). Where the train step sums the weight gradients over its
-micro-batches inside their GEMMs (jaxgpt.config.weight_grads_summed_in_gemm), the copies are
-`PrequantizedFp32Grad`s: the dw GEMM writes fp32, which XLA adds to the sum in the same cuBLASLt
-call, rather than bf16 added in a pass of its own (gpt2-1.3b: 3,253.2 -> 3,182.1 ms). A pipeline
-(its stage weights are gathered per round, below) and the experts' GEMMs quantize in the loop.
-
-Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
-the quantization as the identity (straight-through) and runs both gradient GEMMs in fp8 too:
-dx = dy . w^T and dw = x^T . dy, with dy quantized to e5m2 and the saved e4m3 operands of the
-forward pass (e5m2 x e4m3: cuBLASLt does not take e5m2 x e5m2). The residuals kept for the
-backward pass are the fp8 operands and their scales: half the bytes of bf16 activations.
-
-Which layers. QKV, attention-out, MLP-in and MLP-out (and the MoE experts' two): the matmuls that
-hold ~all of a transformer block's FLOPs. The embedding lookup and, by default, the tied output
-head stay in the compute dtype: the head sets the logits' precision, and MaxText keeps it out of
-fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/model/loss.py: its three GEMMs per chunk,
-with `quantize` and `scaled_dot` from here), as the fastest GPT-2 speedruns do; for gpt2-124m the
-head is ~30% of the FLOPs. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the kernel.
-`model.fp8` may also name the kinds (`qkv,mlp_in,mlp_out`), and `model.fp8=auto` names those the
-step-time model predicts faster in fp8 on the target GPU (jaxgpt/gpu/fp8_choice.py): each `linear`
-call is told whether its own kind is in fp8.
+Gradients (`custom_vjp`): straight-through; both gradient GEMMs in fp8 too, dy in e5m2 against
+the forward's saved e4m3 operands (cuBLASLt takes no e5m2 x e5m2). Which layers: the block
+linears (and the experts'), ~all of a block's FLOPs; the embedding and, unless model.fp8_head,
+the head stay in the compute dtype (loss.py); attention's batched matmuls stay bf16 in its kernel.
 """
 
 from __future__ import annotations

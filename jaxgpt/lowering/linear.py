@@ -46,8 +46,8 @@ def _read_copy(dtype: jnp.dtype, w: jax.Array, c: jax.Array) -> jax.Array:
 _read_copy.defvjp(lambda dtype, w, c: (c, None), lambda dtype, _, g: (g.astype(dtype), None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int | None, chain: bool, x: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int | None, x: jax.Array,
                     w: jax.Array, c: jax.Array, b=None) -> jax.Array | tuple[jax.Array, ...]:
     """einsum(spec, x, c) (+ b), c being w cast to the compute dtype; the gradient goes to w, the
     parameter, in its own dtype (w_dtype), and to the bias b.
@@ -58,14 +58,12 @@ def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int |
 
     parts: None, or an axis of w whose slices are GEMMs of their own (trick `qkv_gemms`), `spec`
     being one slice's: the tuple of their outputs; b is then the tuple of their biases (any None).
-    Their weight gradients are joined along that axis here. Each slice's GEMM comes after the one
-    before (a barrier: XLA:GPU's dot merger otherwise joins small ones into one GEMM whose output a
-    pass splits); chain: each slice's dx GEMM adds the sum so far in its epilogue.
+    Their weight gradients are joined along that axis here.
 
     b: added in the GEMM's epilogue. XLA:GPU fuses a bias into a Triton GEMM only where the dot
     writes fp32 and the bias is an array of its own, one axis wide, on the output's last axis: so
     the dot is taken over the weight's output axes flattened, the bias behind a barrier."""
-    return _precast_fwd(spec, w_dtype, fp32_grad, parts, chain, x, w, c, b)[0]
+    return _precast_fwd(spec, w_dtype, fp32_grad, parts, x, w, c, b)[0]
 
 
 def _slices(c: jax.Array, b, parts: int | None) -> list:
@@ -89,21 +87,18 @@ def _biased_einsum(spec: str, x: jax.Array, c: jax.Array, b: jax.Array | None) -
     return y.reshape(*x.shape[:-k], *b.shape)
 
 
-def _precast_fwd(spec, w_dtype, fp32_grad, parts, chain, x, w, c, b=None):
-    ys = []
-    for c_i, b_i in _slices(c, b, parts):
-        x_i = jax.lax.optimization_barrier((x, ys[-1]))[0] if ys else x
-        ys.append(_biased_einsum(spec, x_i, c_i, b_i))
+def _precast_fwd(spec, w_dtype, fp32_grad, parts, x, w, c, b=None):
+    ys = [_biased_einsum(spec, x, c_i, b_i) for c_i, b_i in _slices(c, b, parts)]
     return tuple(ys) if parts is not None else ys[0], (x, c, b)
 
 
-def _precast_bwd(spec, w_dtype, fp32_grad, parts, chain, residuals, dy):
+def _precast_bwd(spec, w_dtype, fp32_grad, parts, residuals, dy):
     x, c, b = residuals
     a, wl, out = einsum_operands(spec)
     dx, dws, dbs = None, [], []
     for (c_i, b_i), dy_i in zip(_slices(c, b, parts), dy if parts is not None else (dy,), strict=True):
         dx_i = planned_dot(f"{out},{wl}->{a}", dy_i, c_i)  # jnp.einsum's own order transposed QKV's gradient
-        dx = dx_i if dx is None else (jax.lax.optimization_barrier(dx) if chain else dx) + dx_i
+        dx = dx_i if dx is None else dx + dx_i
         dws.append(planned_dot(f"{a},{out}->{wl}", x, dy_i, jnp.float32 if fp32_grad else None))
         db_i = None
         if b_i is not None:
@@ -130,7 +125,7 @@ def parameter(w) -> jax.Array:
 
 
 def dense(name: str, spec: str, x: jax.Array, w, axes: tuple | None, fp8: bool, x_amax: jax.Array | None = None, *,
-          bias=None, parts: int | None = None, apart: bool = True, chain: bool = False, fp8_tuned: bool = True):
+          bias=None, parts: int | None = None, apart: bool = True, fp8_tuned: bool = True):
     """einsum(spec, x, w) (+ bias) for a weight in any of its forms: the parameter, its `Precast`
     copy or its `Prequantized` e4m3 copies (copies.py), in fp8 (`fp8`) or the compute dtype, under
     the named scope `name`. axes: the weight's logical axes (fp8: its e4m3 copy keeps the
@@ -152,7 +147,7 @@ def dense(name: str, spec: str, x: jax.Array, w, axes: tuple | None, fp8: bool, 
     with jax.named_scope(name):
         if not fp8 and (bias is not None or parts is not None or isinstance(w, PrecastFp32Grad)):
             return _precast_einsum(spec if parts is None else slice_spec(spec, parts), jnp.dtype(parameter(w).dtype),
-                                   isinstance(w, PrecastFp32Grad), parts, chain, x, parameter(w),
+                                   isinstance(w, PrecastFp32Grad), parts, x, parameter(w),
                                    weight_as_read(w, x.dtype), bias)
         if isinstance(w, Prequantized):
             return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), parts,

@@ -8,8 +8,7 @@ Statistics and arithmetic are fp32 whatever x's dtype; y and dx come back in x's
 backward reads and writes the residual stream's own [N, D] tensors and nothing wider. Autodiff of
 the fp32 formula (model/ops.py, the reference) left XLA:GPU a backward that wrote the fp32 product
 g * xhat only to read it back for dscale's column sum; here the column sums see only g, x and the
-per-row statistics, so XLA fuses both into the pass that writes dx (`_column_sums`: one variadic
-reduction, where no automatic mesh axis splits the rows).
+per-row statistics, so XLA fuses both into the pass that writes dx.
 
 The statistics. With `keep_stats` the forward keeps each row's mean and rstd for the backward;
 without, it keeps only x and the backward recomputes them in its pass of row sums (`_recomputed`),
@@ -29,15 +28,15 @@ EPS = 1e-5
 
 
 def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool,
-              keep_stats: bool = False, variadic: bool = True) -> jax.Array:
+              keep_stats: bool = False) -> jax.Array:
     """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None.
     keep_stats: the forward keeps each row's mean and rstd for the backward, which otherwise
-    recomputes them. variadic: dscale and dbias as one reduction (`_column_sums`)."""
-    return _norm(x, scale, bias, rms, keep_stats, False, variadic)
+    recomputes them."""
+    return _norm(x, scale, bias, rms, keep_stats, False)
 
 
 def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
-                        rms: bool, variadic: bool = True) -> tuple[jax.Array, jax.Array]:
+                        rms: bool) -> tuple[jax.Array, jax.Array]:
     """(`normalize` keeping the statistics, an upper bound on max |y|: fp32, no gradient), for a
     norm that feeds an fp8 GEMM, whose e4m3 cast needs max |y| for its scale (fp8.py `quantize`'s
     amax; trick `norm_amax`). |y_j| <= |x_j - mean| rstd |scale_j| + |bias_j|, so the bound is the
@@ -47,7 +46,7 @@ def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array |
     As activation_amax's, a bound:
     the largest value then lands in (fmax/4, fmax] where |scale| and |bias| do not peak at the
     largest deviation, not (fmax/2, fmax]."""
-    return _norm(x, scale, bias, rms, True, True, variadic)
+    return _norm(x, scale, bias, rms, True, True)
 
 
 def _stats(x32: jax.Array, rms: bool, deviation: bool = False) -> tuple:
@@ -81,12 +80,12 @@ def _apply(x, mean, rstd, scale, bias) -> jax.Array:
     return y.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _norm(x, scale, bias, rms, keep_stats, with_amax, variadic):
-    return _norm_fwd(x, scale, bias, rms, keep_stats, with_amax, variadic)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm(x, scale, bias, rms, keep_stats, with_amax):
+    return _norm_fwd(x, scale, bias, rms, keep_stats, with_amax)[0]
 
 
-def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax, variadic):
+def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax):
     if with_amax:
         mean, rstd, deviation = _stats(x.astype(jnp.float32), rms, deviation=True)
         y = (_apply(x, mean, rstd, scale, bias), _amax_bound(deviation, rstd, scale, bias))
@@ -98,7 +97,7 @@ def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax, variadic):
     return y, (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(rms, keep_stats, with_amax, variadic, res, g):
+def _norm_bwd(rms, keep_stats, with_amax, res, g):
     g = g[0] if with_amax else g  # the bound has no gradient
     x, mean, rstd, scale, bias = res
     rows = tuple(range(x.ndim - 1))
@@ -113,10 +112,8 @@ def _norm_bwd(rms, keep_stats, with_amax, variadic, res, g):
         gs_xhat_mean = jnp.mean(gs * xhat, axis=-1, keepdims=True)
     else:
         xhat, rstd, gs_mean, gs_xhat_mean = _recomputed(x, gs, rms)
-    dscale, dbias = _column_sums(g32 * xhat if scale is not None else None, g32 if bias is not None else None, rows,
-                                 variadic)
-    dscale = None if scale is None else dscale.astype(scale.dtype)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
+    dscale = None if scale is None else jnp.sum(g32 * xhat, axis=rows).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(g32, axis=rows).astype(bias.dtype)
     dx = gs - xhat * gs_xhat_mean
     if not rms:
         dx = dx - gs_mean
@@ -139,19 +136,6 @@ def _recomputed(x: jax.Array, gs: jax.Array, rms: bool) -> tuple:
     s1, sg = jnp.sum(d, -1, keepdims=True) / n, jnp.sum(gs, -1, keepdims=True) / n
     rstd = jax.lax.rsqrt(jnp.maximum(s2 - s1 * s1, 0.0) + EPS)
     return (d - s1) * rstd, rstd, sg, rstd * (sgd - s1 * sg)
-
-
-def _column_sums(a: jax.Array | None, b: jax.Array | None, rows: tuple[int, ...], variadic: bool) -> tuple:
-    """(sum of a, sum of b) over `rows`, either None where not wanted; with `variadic` both as one
-    variadic reduction. Why one: the pass that writes dx also sums the residual branch's bias
-    gradient, and with dscale and dbias as two reductions beside it XLA:GPU moved one of the three
-    into a pass of its own. Not where an automatic mesh axis splits the rows (fsdp, cp: the lowering
-    says): XLA's SPMD partitioner combines a variadic reduction's partial sums with an all-gather
-    per use, where two sums each take a reduction it can schedule with the rest."""
-    if a is None or b is None or not variadic:
-        return tuple(None if t is None else jnp.sum(t, axis=rows) for t in (a, b))
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), rows)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

@@ -115,10 +115,6 @@ class Lowering(Ops):
         """q, k and v each a GEMM of its own: not where fsdp gathers the weight for each."""
         return self.on("qkv_gemms") and not self.fsdp
 
-    @property
-    def stream_rows(self) -> bool:
-        return self.on("stream_rows") and self.size("cp") == 1
-
     def epilogues(self, fp8: bool) -> bool:
         """Whether a compute-dtype GEMM takes the work around it into its epilogue: not an fp8 one
         (cuBLASLt's fp8 GEMM takes no residual, and fp8's backward sums its biases' gradients in the
@@ -185,8 +181,7 @@ class Lowering(Ops):
             if cancels:
                 b_parts[k] = None
         ys = dense(name, spec, op.x, w, axes, fp8, op.amax, bias=None if b_parts is None else tuple(b_parts),
-                   parts=axis, apart=self.qkv_apart, chain=self.on("dx_chain") and self.platform == "gpu",
-                   fp8_tuned=bool(self.tricks))
+                   parts=axis, apart=self.qkv_apart, fp8_tuned=bool(self.tricks))
         ys = [shard(y, "batch", "seq", "act_heads", None) for y in ys]
         if missing is not None:
             ys[parts.index("v")] = Operand(ys[parts.index("v")], missing=missing)
@@ -197,17 +192,12 @@ class Lowering(Ops):
             return super().norm(x, scale, bias, rms, before)
         flatten, feeds_fp8 = before != "scores", _FEEDS.get(before) in self.fp8
         if feeds_fp8 and flatten and self.on("norm_amax"):
-            y, amax = normalize_with_amax(self._fenced(x, before, False).reshape(-1, x.shape[-1]), scale, bias, rms,
-                                          self._variadic)
+            y, amax = normalize_with_amax(self._fenced(x, before, False).reshape(-1, x.shape[-1]), scale, bias, rms)
             return Operand(y.reshape(x.shape), amax=amax)
         routes = (self.on("routed_bias") and before in _FEEDS and bias is not None and self.epilogues(feeds_fp8))
         y = self._normalize(x if routes else self._fenced(x, before, routes), scale,
                             jax.lax.stop_gradient(bias) if routes else bias, rms, flatten, feeds_fp8)
         return Operand(y, routed=bias) if routes else y
-
-    @property
-    def _variadic(self) -> bool:
-        return self.on("norm_column_sums") and not self.fsdp and self.size("cp") == 1
 
     def _fenced(self, x, before, routes):
         """x, whose gradient passes a barrier where the residual branch before the norm has its bias
@@ -223,7 +213,7 @@ class Lowering(Ops):
             return super().norm(x, scale, bias, rms)
         x_ND = x.reshape(-1, x.shape[-1]) if flatten else x  # as [B*T, D] rows: its column sums over one axis
         keep_stats = not (self.on("norm_recompute") and self.epilogues(feeds_fp8))
-        return normalize(x_ND, scale, bias, rms, keep_stats, self._variadic).reshape(x.shape)
+        return normalize(x_ND, scale, bias, rms, keep_stats).reshape(x.shape)
 
     def activation(self, kind, h, gate=None, into="mlp_out"):
         dense_mlp = into == "mlp_out"

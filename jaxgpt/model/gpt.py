@@ -160,16 +160,8 @@ class GPT(nnx.Module):
         """The stacked blocks (training, no cache), however many this module holds: all of them, or
         one pipeline stage's (jaxgpt/parallel/pipeline.py). Returns (x, MoEStats averaged over the MoE
         blocks, or None for a dense model). `docs`: model.document_mask's documents of x's rows."""
-        # the residual stream crosses the layer loops as [B, T, D], or as [B*T, D] rows where the
-        # lowering says so (model/ops.py `Ops.stream_rows`); each block sees [B, T, D]
-        B, T, D = x_BTD.shape
-        x = x_BTD.reshape(B * T, D) if self.ops.stream_rows else x_BTD
-
-        def apply_block(block: Block, x: jax.Array):
-            out = block(x.reshape(B, T, D), docs=docs)  # a dense block's x; an MoE block's (x, stats)
-            if isinstance(out, tuple):
-                return out[0].reshape(x.shape), *out[1:]
-            return out.reshape(x.shape)
+        def apply_block(block: Block, x_BTD: jax.Array):
+            return block(x_BTD, docs=docs)  # a dense block's x; an MoE block's (x, stats)
 
         if self.cfg.remat == "auto":
             raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
@@ -182,14 +174,14 @@ class GPT(nnx.Module):
             def run_groups(x: jax.Array, group: MoEGroup):
                 return group(x, apply_block, unroll=unroll)
 
-            x, stats_G = run_groups(x, self.groups)
-            return x.reshape(B, T, D), MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
+            x_BTD, stats_G = run_groups(x_BTD, self.groups)
+            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_stack(x: jax.Array, block: Block) -> jax.Array:
             return apply_block(block, x)
 
-        return run_stack(x, self.blocks).reshape(B, T, D), None
+        return run_stack(x_BTD, self.blocks), None
 
     def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array,
                            docs: Documents | None) -> tuple[jax.Array, KV]:

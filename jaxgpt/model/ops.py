@@ -33,7 +33,6 @@ _TINY = 1e-30
 class Ops:
     """The reference forms for a model of `cfg`. Static: a field of every layer that calls it."""
     cfg: ModelConfig
-    stream_rows = False  # whether the residual stream crosses the layer loops as [B*T, D] rows (GPT.run_blocks)
 
     def linear(self, name: str, spec: str, x, kernel, bias=None, parts: tuple[str, ...] | None = None):
         """einsum(spec, x, W) + b in x's dtype (the compute dtype), under the named scope `name`
