@@ -66,7 +66,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.lowering import Lowering, choose
-from jaxgpt.lowering.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
+from jaxgpt.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
 from jaxgpt.model import GPT, REMAT_POLICIES
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
@@ -314,7 +314,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(with_both(trainable, bias, copies), *args),
                        has_aux=True)
     # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch, where the lowering
-    # says (jaxgpt/lowering/copies.py), and their gradients summed inside their GEMMs
+    # says (jaxgpt/copies.py), and their gradients summed inside their GEMMs
     once = ops.copies_once(bool(m.moe_experts))
     in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
 

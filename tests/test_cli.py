@@ -202,6 +202,7 @@ def test_end_to_end_run_writes_metrics(tmp_path):
         assert r["mfu"] is None  # no peak FLOP/s is known for CPUs
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
+    assert re.search(r"\| ops (reference|tuned) \(model\.ops=auto: the faster on a CPU, docs/ops\.md\)", proc.stdout)
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     # the command re-executed itself once with a faster host allocator (jaxgpt/allocator.py)
     used = "tcmalloc" if allocator.find_tcmalloc() else "glibc-thp"

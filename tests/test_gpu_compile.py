@@ -291,7 +291,7 @@ def test_forward_norms_are_one_pass_and_the_residual_add_rides_in_the_gemms(comp
 
 
 @needs_plugin
-@pytest.mark.guards("norm_vjp", "routed_bias", "norm_fence")
+@pytest.mark.guards("norm_vjp", "routed_bias")
 def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(compiled):
     """gpt2-124m's micro-batch on one H100 (2 layers, bf16): LayerNorm's dscale and dbias are one
     variadic column sum (jaxgpt/lowering/norm.py), so XLA:GPU computes them in the kernel that writes dx: no
@@ -623,7 +623,7 @@ def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
     """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, GPT-2's block and
     the modern one (grouped-query q and kv weights, SwiGLU's gate), every kernel that casts a block
     weight to e4m3 runs once per step, before the micro-batch loop, and writes the layouts the GEMMs
-    read (jaxgpt/lowering/copies.py). Quantized inside the loop, as before, each ran
+    read (jaxgpt/copies.py). Quantized inside the loop, as before, each ran
     once per micro-batch and layer (4 times here)."""
     for name in ("dp8_accum2_fp8", "dp2_fsdp4_accum2_remat_dots_fp8", "fsdp8_accum2_remat_full_fp8",
                  "dp2_fsdp2_tp2_accum2_fp8_head", "modern"):
@@ -696,7 +696,7 @@ def test_fsdp_gathers_no_fp32_table(compiled):
     """Issue 59 item 1, on every fsdp layout compiled here (GPT-2's and the modern block, fp8,
     micro-batches, remat, a pipeline, the fp8 head, document masking, gpt2-124m): the embedding and
     head tables (wte, wpe, lm_head) are gathered in bf16, once a step, from copies cast where each
-    shard lives (jaxgpt/lowering/copies.py `table_copies`), never in fp32: no all-gather returns an
+    shard lives (jaxgpt/copies.py `table_copies`), never in fp32: no all-gather returns an
     fp32 array of a table's shard size or more (wte's [V, D] split at most over fsdp x tp) or of
     wpe's [T, D]; and a bf16 one does. Before, XLA's sharding propagation carried the gathered
     layout back through the cast and gathered the fp32 parameters: llama-tiny on fsdp=4,tp=2, 49.1

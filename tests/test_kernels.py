@@ -383,7 +383,7 @@ def _copies_and_in_loop(cfg, rows: int, fp32_grads: bool = False) -> tuple:
     quantized inside its layer instead)."""
     from flax import nnx
 
-    from jaxgpt.lowering.copies import copies_once_per_step, with_copies
+    from jaxgpt.copies import copies_once_per_step, with_copies
     from jaxgpt.model import GPT
     from jaxgpt.step import objective_fn, param_logical_axes
     ops = lowering(cfg, "tuned")
@@ -405,7 +405,7 @@ def _copies_and_in_loop(cfg, rows: int, fp32_grads: bool = False) -> tuple:
 ], ids=["gpt2", "llama"])
 def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides, weights):
     """With micro-batches the train step quantizes the fp8 block weights once per step, before its
-    loop (trick prequantize, jaxgpt/lowering/copies.py; each GEMM then reads the e4m3 copy in the layout it
+    loop (trick prequantize, jaxgpt/copies.py; each GEMM then reads the e4m3 copy in the layout it
     takes). A micro-batch's loss and every gradient are bit for bit those of quantizing each weight
     inside the layer, for every kind (GQA's q and kv weights, SwiGLU's gate too), in bf16, with the
     layers unrolled (GPT-2 here, the copies per layer) and scanned (Llama, the copies stacked); and no
@@ -459,7 +459,7 @@ def test_fp32_weight_gradients_round_to_the_in_loop_ones():
                                         "model.n_kv_head=2", "model.bias=false"]], ids=["gpt2", "gpt2-fp8-mixed", "llama"])
 def test_precast_weights_give_the_in_loop_loss_and_gradients(overrides):
     """With micro-batches the train step casts the block weights that are not fp8 to the compute
-    dtype once per step, before its loop (trick precast, jaxgpt/lowering/copies.py), instead of in every
+    dtype once per step, before its loop (trick precast, jaxgpt/copies.py), instead of in every
     micro-batch. A micro-batch's loss and every fp32 gradient are bit for bit those of casting in
     the layer, in bf16, unrolled (per-layer copies, also beside fp8 kinds' prequantized ones) and
     scanned (stacked copies); and no block weight is cast inside the loss any more."""

@@ -15,6 +15,7 @@ from flax import nnx
 from helpers import lowering, packed_batch, tiny_config
 
 from jaxgpt.config import TRICKS, validate
+from jaxgpt.errors import UserError
 from jaxgpt.lowering.activations import relu2, swiglu
 from jaxgpt.lowering.norm import normalize
 from jaxgpt.model import GPT, Ops
@@ -23,8 +24,7 @@ from jaxgpt.step import init_state, make_setup, make_train_step, objective_fn
 
 # The tricks that act in fp32 on a CPU, each with the ones it builds on; the others act only in
 # bf16 (the weight copies, gelu_derivative: tests/test_kernels.py) or in fp8 (below).
-FP32_TRICKS = {"norm_vjp": (), "norm_recompute": ("norm_vjp",),
-               "norm_fence": ("residual_epilogue",), "routed_bias": (), "activation_vjps": (),
+FP32_TRICKS = {"norm_vjp": (), "norm_recompute": ("norm_vjp",), "routed_bias": (), "activation_vjps": (),
                "residual_epilogue": (), "qkv_gemms": (), "qkv_bias_drop": (), "embed_fence": (),
                "tables_in_compute_dtype": (), "fused_loss": ()}
 FP8_TRICKS = {"fp8_pins": (), "h_fence": (), "activation_amax": (), "norm_amax": ("norm_vjp",)}
@@ -39,6 +39,21 @@ FAMILIES = {  # a model of each kind the tricks treat apart, every bias random (
 
 def test_every_trick_is_in_the_matrix():
     assert set(FP32_TRICKS) | set(FP8_TRICKS) | ELSEWHERE == set(TRICKS)
+
+
+def test_model_ops_takes_its_forms_or_tricks_and_says_so_in_one_line_when_wrong():
+    """model.ops: auto, reference, tuned, or tricks (written back in TRICKS' order); anything else,
+    or fp8's head without the fused loss it runs in, one sentence naming what is valid, before
+    anything compiles."""
+    assert tiny_config("model.ops=fused_loss,routed_bias").model.ops == "routed_bias,fused_loss"
+    assert lowering(tiny_config().model, "reference").tricks == frozenset()
+    assert lowering(tiny_config().model, "tuned").tricks == frozenset(TRICKS)
+    for value, words in (("fastest", "got 'fastest'"), ("routed_bais", "did you mean 'routed_bias'"), (",", "")):
+        with pytest.raises(UserError, match="config key 'model.ops' is one of auto, reference, tuned or a comma-sep") as e:
+            tiny_config(f"model.ops={value}")
+        assert words in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="model.fp8_head runs inside the fused loss"):
+        validate(tiny_config("model.ops=reference", "model.fp8_head=true"), 1)
 
 
 def _variants(cfg, tricks: dict) -> dict[str, tuple]:
@@ -137,6 +152,36 @@ def test_fp8_tricks_keep_the_fp8_reference_loss():
             assert float(jnp.linalg.norm(a - b)) <= 2.0 ** -3 * float(jnp.linalg.norm(b)) + 1e-9, name
     for name in ("fp8_pins", "h_fence"):
         _assert_close(results[name], results["reference"], name, rtol=0)
+
+
+def test_the_loss_weighs_each_token_in_both_forms():
+    """The loss op's per-token weights (SFT's loss mask, `weights_BT`): sum(w nats) / sum(w), the
+    fused form (its backward scales each row's gradient by its weight) equal to the reference's in
+    value and gradients (fp32: 1e-6 for the loss, the matrix's 1e-5 for gradients); all-ones weights give the plain mean, and tokens of weight 0
+    move neither the loss nor the gradient."""
+    cfg = tiny_config("model.loss_chunk=8", "model.logit_softcap=20").model
+    keys = jax.random.split(jax.random.key(4), 4)
+    x = jax.random.normal(keys[0], (4, cfg.seq_len, cfg.n_embd))
+    table = 0.2 * jax.random.normal(keys[1], (cfg.padded_vocab, cfg.n_embd))
+    labels = jax.random.randint(keys[2], (4, cfg.seq_len), 0, cfg.vocab_size)
+    w = jnp.where(jax.random.uniform(keys[3], labels.shape) < 0.3, 0.0, jax.random.uniform(keys[3], labels.shape))
+
+    @jax.jit
+    def run(x, table, w):
+        return {form: [jax.value_and_grad(lambda x, t: lowering(cfg, form).cross_entropy(x, t, labels, jnp.float32, ww),
+                                          argnums=(0, 1))(x, table) for ww in (w, None, jnp.ones_like(w))]
+                for form in ("reference", "tuned")}
+
+    out = run(x, table, w)
+    for form in out:
+        (weighted, _), (plain, _), (ones, _) = out[form]
+        np.testing.assert_allclose(float(ones), float(plain), rtol=1e-6)
+    for (a, ga), (b, gb) in zip(out["tuned"], out["reference"], strict=True):
+        np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+        for g, h in zip(ga, gb, strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-6 * float(jnp.abs(h).max()))
+    dx = out["tuned"][0][1][0]
+    assert float(jnp.abs(jnp.where(w[..., None] == 0, dx, 0)).max()) == 0.0
 
 
 def _reference_norm(x, scale, bias, rms):

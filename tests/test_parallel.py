@@ -65,7 +65,7 @@ def test_layout_trains_in_bf16_with_the_default_loss(layout, overrides, n, singl
 
 def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     """bf16, 2 micro-batches: with its layers unrolled the step sums each block weight's fp32
-    gradient per layer inside the GEMM that computes it (trick grads_in_gemm, jaxgpt/lowering/copies.py),
+    gradient per layer inside the GEMM that computes it (trick grads_in_gemm, jaxgpt/copies.py),
     scanned it sums the stacked bf16-rounded ones. Six steps of AdamW follow the same losses to 2^-12
     relative (3.9e-6 measured): a layer's sum in another layer's place, or a micro-batch left out,
     would turn the updates. Not under fsdp, cp, or with one micro-batch."""

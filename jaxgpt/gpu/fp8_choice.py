@@ -20,7 +20,7 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
             + (M K + K N / A + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
 
 (A = train.grad_accum where the step quantizes the weights once per step, `weights_once_per_step`:
-trick `prequantize` of jaxgpt/lowering/copies.py; else 1)
+trick `prequantize` of jaxgpt/copies.py; else 1)
 
 and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
 result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/lowering/fp8.py). With

@@ -25,7 +25,7 @@ operands and computes the same products exactly, which is what the CPU tests che
 
 Weights under fsdp: a weight's e4m3 copy is constrained to the parameter's own sharding, so the
 cast runs on each shard and the all-gather moves 1 byte an element (a pipeline's stage weights,
-gathered whole once a round, are left alone). Once per step (trick prequantize, copies.py) the
+gathered whole once a round, are left alone). Once per step (trick prequantize, jaxgpt/copies.py) the
 train step writes each layer's e4m3 copy in the weight's layout (the dx GEMM's operand) and with
 the forward's contracted axes last (the forward's K-major operand); the loop's GEMMs read them
 (`Prequantized`, `_prequantized_einsum`), bit for bit what quantizing in the loop gives.
@@ -73,10 +73,8 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False,
     computes both in one kernel and reads the gradient once for the two (`_column_amax`).
 
     pin: x and its amax pass an optimization barrier together, so that x is written once in its own
-    dtype by the fusion that produces it (with the amax) and read once by the cast. Without it
-    XLA:GPU, allowed excess precision, drops a gradient's rounding to bf16 and writes its producer's
-    fp32 values for the cast to read: twice the bytes both ways (the GELU backward's [rows, 4D]
-    gradient of every MLP, 1.6 GB written and read per layer and micro-batch of gpt2-124m)."""
+    dtype by the fusion that produces it and read once by the cast: without it XLA:GPU, allowed
+    excess precision, wrote a gradient's fp32 values for the cast to read."""
     if amax is None:
         amax = _column_amax(x, rows) if rows else jnp.max(jnp.abs(x))
     amax = _global(amax.astype(jnp.float32))
@@ -89,12 +87,10 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False,
 def _column_amax(x: jax.Array, rows: tuple[int, ...]) -> jax.Array:
     """max |x|, as the max over `rows` first, then over what is left: exactly the full max.
 
-    Why: a gradient's full reduction and its bias gradient's sum over the rows are reductions of two
-    shapes, which XLA:GPU puts in two kernels, each reading the [rows, N] gradient (gpt2-1.3b: the
-    qkv gradient read again for its amax, the MLP's [rows, 4D] gradient again for its bias sum,
-    ~56 ms a step predicted). Reduced over the rows, the amax has the bias sum's shape and shares its
-    kernel. The barrier keeps XLA's simplifier from folding the two maxima back into one full
-    reduction; it holds an [N] vector."""
+    Why: a full reduction and the bias gradient's sum over the rows are reductions of two shapes,
+    which XLA:GPU puts in two kernels, each reading the [rows, N] gradient; reduced over the rows
+    first, the amax shares the bias sum's kernel. The barrier (on an [N] vector) keeps XLA's
+    simplifier from folding the two maxima back into one full reduction."""
     return jnp.max(jax.lax.optimization_barrier(jnp.max(jnp.abs(x), axis=rows)))
 
 
@@ -235,11 +231,8 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     transpose in the loop). `axes`: w's logical axes, which q keeps (fsdp then gathers 1 byte an
     element) and q_t permutes.
 
-    Where fsdp splits the weight (its 'embed' axis) the loop gathers it for each GEMM, and a q_t
-    made here would be gathered as well as q: two fp8 gathers where the weight's forward and
-    backward GEMMs need one each of q (llama-8b on fsdp=8: 0.69x the bf16 gather bytes instead of
-    0.5x). There q_t is None and the forward GEMM reads the gathered q, transposed on the device
-    as the in-loop `fp8_einsum` does."""
+    Where fsdp splits the weight the loop gathers it for each GEMM, and a q_t made here would be
+    gathered as well as q; there q_t is None and the forward reads the gathered q, transposed."""
     w_c = w.astype(dtype)
     amax = _global(jnp.max(jnp.abs(w_c), axis=tuple(range(stacked, w.ndim))).astype(jnp.float32))
     scale = power_of_two_scale(amax, E4M3)
@@ -254,9 +247,8 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
 
 
 class PrequantizedFp32Grad(Prequantized):
-    """A `Prequantized` weight whose gradient GEMM writes fp32 (where the train step sums it over
-    micro-batches inside that GEMM, jaxgpt.config.weight_grads_summed_in_gemm), not the compute
-    dtype. A type of its own, not a field: a Prequantized is a pytree, and the choice must stay static."""
+    """A `Prequantized` weight whose gradient GEMM writes fp32 (trick grads_in_gemm), not the
+    compute dtype. A type of its own, not a field: the choice must stay static."""
 
 
 def _transposed_spec(spec: str) -> str:
@@ -275,14 +267,10 @@ def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: 
                          b: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """`jnp.einsum(spec, x, w)` (+ b) from the weight's e4m3 copies (`Prequantized`).
 
-    parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (attention's
-    q, k and v), the tuple of their outputs: each GEMM writes its slice as the attention kernel
-    reads it, with the rescale in cuBLASLt's alpha and its bias (b: the tuple of the slices', any
-    None) in its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of
-    its own. Without parts a bias goes in the epilogue too (the MLP's in GEMM, whose output the
-    activation's amax pass and its cast read).
-    The backward joins the slices' gradients (the kernel that takes their amax and the bias's
-    gradient) for one e5m2 cast and the weight's two gradient GEMMs, as before."""
+    parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (q, k and v),
+    the tuple of their outputs, each with the rescale in cuBLASLt's alpha and its bias (b: the
+    tuple of the slices', any None) in its epilogue. Without parts a bias goes in the epilogue too
+    (the MLP's in GEMM). The backward joins the slices' gradients for one e5m2 cast."""
     return _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax, b)[0]
 
 
@@ -306,13 +294,11 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
         w_i = q_t if parts is None else jax.lax.index_in_dim(q_t, i, parts - k, keepdims=False)
         b_i = b if parts is None or b is None else b[i]
         y_i = scaled_dot("rk,fk->rf", x2_q, sx_i, w_i.reshape(-1, x2_q.shape[1]), scale, x.dtype, fold=True)
-        if b_i is not None:  # its own array (a barrier), as in layers.py `_precast_einsum`
+        if b_i is not None:  # its own array (a barrier), as in linear.py `_precast_einsum`
             y_i = y_i + jax.lax.optimization_barrier(b_i.astype(x.dtype).reshape(-1))
         y.append(y_i.reshape(*rows, *w_i.shape[:-k]))
     if parts is None:
-        # the MLP's in GEMM (its bias here: the amax pass after it only reads h, where it also
-        # added the bias and wrote h again; gpt2-124m fp8 on one H100, 923.0 -> 908.3 ms a step
-        # predicted): a barrier keeps the activation after it out of the cuBLASLt call, which
+        # the MLP's in GEMM: a barrier keeps the activation after it out of the cuBLASLt call, which
         # XLA:GPU would make a GELU_AUX fp8 call it then fails to emit (RET_CHECK !has_aux_output)
         return jax.lax.optimization_barrier(y[0]), (x_q, sx, q, scale, b)
     return tuple(y), (x_q, sx, q, scale, b)

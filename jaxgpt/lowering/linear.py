@@ -25,7 +25,7 @@ from jaxgpt.lowering.fp8 import (Prequantized, PrequantizedFp32Grad, _prequantiz
 
 class Precast(NamedTuple):
     """A block weight's copy in the compute dtype, made once per optimizer step before the
-    micro-batch loop (copies.py), standing in the params for the weight itself. The GEMMs read c;
+    micro-batch loop (jaxgpt/copies.py), standing in the params for the weight itself. The GEMMs read c;
     the gradient is w's (`_read_copy`)."""
     w: jax.Array  # the parameter (fp32)
     c: jax.Array  # w in the compute dtype
@@ -54,7 +54,7 @@ def _precast_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: int |
 
     fp32_grad (trick `grads_in_gemm`): the weight gradient's GEMM writes it in fp32, its
     accumulator's precision, where autodiff rounds it to the compute dtype first: XLA:GPU then takes
-    the train step's sum over micro-batches into that GEMM (acc + x^T dy; copies.py `gemm_pieces`).
+    the train step's sum over micro-batches into that GEMM (acc + x^T dy; jaxgpt/copies.py `gemm_pieces`).
 
     parts: None, or an axis of w whose slices are GEMMs of their own (trick `qkv_gemms`), `spec`
     being one slice's: the tuple of their outputs; b is then the tuple of their biases (any None).
@@ -127,7 +127,7 @@ def parameter(w) -> jax.Array:
 def dense(name: str, spec: str, x: jax.Array, w, axes: tuple | None, fp8: bool, x_amax: jax.Array | None = None, *,
           bias=None, parts: int | None = None, apart: bool = True, fp8_tuned: bool = True):
     """einsum(spec, x, w) (+ bias) for a weight in any of its forms: the parameter, its `Precast`
-    copy or its `Prequantized` e4m3 copies (copies.py), in fp8 (`fp8`) or the compute dtype, under
+    copy or its `Prequantized` e4m3 copies (jaxgpt/copies.py), in fp8 (`fp8`) or the compute dtype, under
     the named scope `name`. axes: the weight's logical axes (fp8: its e4m3 copy keeps the
     parameter's sharding, so fsdp gathers 1 byte an element). bias: added in the GEMM's epilogue
     (`_precast_einsum`; fp8: cuBLASLt's, where the weight is prequantized).

@@ -30,7 +30,6 @@ from jaxgpt.parallel.mesh import shard
 
 CPU_AUTO = "tuned"  # model.ops=auto on a CPU: the faster form there, measured (docs/ops.md)
 _FEEDS = {"attn": "qkv", "mlp": "mlp_in"}  # Norm's `before` -> the linear kind its output feeds
-_AFTER = {"attn": "mlp_out", "head": "mlp_out", "mlp": "attn_out", "moe": "attn_out"}  # -> the branch before it
 
 
 class Operand(NamedTuple):
@@ -192,21 +191,11 @@ class Lowering(Ops):
             return super().norm(x, scale, bias, rms, before)
         flatten, feeds_fp8 = before != "scores", _FEEDS.get(before) in self.fp8
         if feeds_fp8 and flatten and self.on("norm_amax"):
-            y, amax = normalize_with_amax(self._fenced(x, before, False).reshape(-1, x.shape[-1]), scale, bias, rms)
+            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), scale, bias, rms)
             return Operand(y.reshape(x.shape), amax=amax)
         routes = (self.on("routed_bias") and before in _FEEDS and bias is not None and self.epilogues(feeds_fp8))
-        y = self._normalize(x if routes else self._fenced(x, before, routes), scale,
-                            jax.lax.stop_gradient(bias) if routes else bias, rms, flatten, feeds_fp8)
+        y = self._normalize(x, scale, jax.lax.stop_gradient(bias) if routes else bias, rms, flatten, feeds_fp8)
         return Operand(y, routed=bias) if routes else y
-
-    def _fenced(self, x, before, routes):
-        """x, whose gradient passes a barrier where the residual branch before the norm has its bias
-        in its GEMM's epilogue (`residual_epilogue`) and the norm does not route its own: that
-        bias's gradient sum then stays out of this norm's dx pass, which already takes two."""
-        after = _AFTER.get(before)
-        fenced = (self.on("norm_fence") and after is not None and self.cfg.bias and not routes
-                  and self.on("residual_epilogue") and self.epilogues(after in self.fp8))
-        return fence_gradient(x) if fenced else x
 
     def _normalize(self, x, scale, bias, rms, flatten, feeds_fp8):
         if not self.on("norm_vjp"):

@@ -1,6 +1,7 @@
-"""The block weights' copies the train step makes once per optimizer step, before its micro-batch
-loop (tricks `precast`, `prequantize`), and the per-GEMM pieces it sums their gradients in
-(`grads_in_gemm`). jaxgpt/step.py calls these; the linears read the copies (linear.py `dense`).
+"""The weights' copies the train step makes once per optimizer step, before its micro-batch loop
+(tricks `precast`, `prequantize`, `tables_in_compute_dtype` of the lowering, jaxgpt/lowering/),
+and the per-GEMM pieces it sums their gradients in (`grads_in_gemm`). jaxgpt/step.py calls these;
+the lowering's ops read the copies (jaxgpt/lowering/linear.py `dense`, ops.py `Lowering.lookup`).
 
     precast      each weight cast to the compute dtype once a step, not once a micro-batch
     prequantize  each fp8 weight's e4m3 copies (the weight's layout for the dx GEMM, the forward's
@@ -12,8 +13,9 @@ loop (tricks `precast`, `prequantize`), and the per-GEMM pieces it sums their gr
                  and the step sums the pieces over micro-batches, so XLA:GPU takes each sum into
                  the GEMM (acc + x^T dy)
 
-Only a dense model's blocks without a pipeline (a pipeline gathers its stage weights itself, and
-the experts cast theirs). docs/ops.md has each one's predicted gain.
+The block weights' copies only for a dense model without a pipeline (a pipeline gathers its stage
+weights itself, and the experts cast theirs); the tables' under fsdp, for any model.
+docs/ops.md has each one's predicted gain.
 """
 
 from __future__ import annotations
