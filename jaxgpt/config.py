@@ -99,9 +99,8 @@ def _fp8_words(key: str, raw: Any) -> bool | str:
 
 
 # model.ops's tricks (jaxgpt/lowering/; docs/ops.md is their registry): tuned runs all of them
-TRICKS = ("norm_vjp", "norm_recompute", "routed_bias", "activation_vjps",
-          "gelu_derivative", "residual_epilogue", "qkv_gemms", "qkv_bias_drop", "precast", "pieces",
-          "grads_in_gemm", "embed_fence", "tables_in_compute_dtype", "fused_loss",
+TRICKS = ("norm_vjp", "norm_recompute", "routed_bias", "activation_vjps", "gelu_derivative", "residual_epilogue",
+          "qkv_gemms", "qkv_bias_drop", "precast", "grads_in_gemm", "tables_in_compute_dtype", "fused_loss",
           "prequantize", "fp8_pieces", "fp8_pins", "norm_amax", "activation_amax", "h_fence")
 OPS_FORMS = ("auto", "reference", "tuned")
 

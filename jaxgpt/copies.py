@@ -6,9 +6,9 @@ the lowering's ops read the copies (jaxgpt/lowering/linear.py `dense`, ops.py `L
     precast      each weight cast to the compute dtype once a step, not once a micro-batch
     prequantize  each fp8 weight's e4m3 copies (the weight's layout for the dx GEMM, the forward's
                  contracted axes last for the forward GEMM), one kernel per weight a step
-    pieces       with the layers unrolled, each layer's copy (and with q, k and v as GEMMs of their
-                 own, each slice's) an array of its own, which XLA folds back into the loop's reads;
-                 scanned layers slice the stack themselves
+    fp8_pieces   with the layers unrolled, each layer's e4m3 copy (and with q, k and v as GEMMs of
+                 their own, each slice's) an array of its own, which XLA folds back into the loop's
+                 reads; scanned layers slice the stack themselves (the bf16 copies go per layer)
     grads_in_gemm  with micro-batches and unrolled layers, each weight gradient's GEMM writes fp32
                  and the step sums the pieces over micro-batches, so XLA:GPU takes each sum into
                  the GEMM (acc + x^T dy)
@@ -56,7 +56,7 @@ def copies_once_per_step(blocks: dict, axes: dict, ops, dtype: jnp.dtype, fp32_g
                 p = p._replace(q=tuple(p.q), q_t=q_t)
         elif kind not in ops.fp8 and ops.on("precast") and dtype != jnp.float32:
             c = shard(w.astype(dtype), *w_axes)
-            c = _pieces(c, w_axes, split and ops.on("pieces")) if unrolled else c
+            c = _pieces(c, w_axes, False) if unrolled else c
             p = (PrecastFp32Grad if fp32_grads else Precast)(None, c)
         else:
             continue

@@ -25,10 +25,10 @@ from jaxgpt.step import init_state, make_setup, make_train_step, objective_fn
 # The tricks that act in fp32 on a CPU, each with the ones it builds on; the others act only in
 # bf16 (the weight copies, gelu_derivative: tests/test_kernels.py) or in fp8 (below).
 FP32_TRICKS = {"norm_vjp": (), "norm_recompute": ("norm_vjp",), "routed_bias": (), "activation_vjps": (),
-               "residual_epilogue": (), "qkv_gemms": (), "qkv_bias_drop": (), "embed_fence": (),
+               "residual_epilogue": (), "qkv_gemms": (), "qkv_bias_drop": (),
                "tables_in_compute_dtype": (), "fused_loss": ()}
 FP8_TRICKS = {"fp8_pins": (), "h_fence": (), "activation_amax": (), "norm_amax": ("norm_vjp",)}
-ELSEWHERE = {"precast", "pieces", "grads_in_gemm", "gelu_derivative", "prequantize", "fp8_pieces"}
+ELSEWHERE = {"precast", "grads_in_gemm", "gelu_derivative", "prequantize", "fp8_pieces"}
 FAMILIES = {  # a model of each kind the tricks treat apart, every bias random (none is zero at init)
     "gpt2": (),
     "rope_gqa_swiglu": ("model.position=rope", "model.n_kv_head=2", "model.mlp=swiglu", "model.mlp_hidden=64"),

@@ -4,8 +4,8 @@ linears it feeds; and the barriers that keep XLA:GPU's fusions where these put t
 
 Why barriers. XLA:GPU fuses a bias (or a residual) into a GEMM's epilogue only where that operand
 is an array of its own (a parameter, or behind an optimization barrier), and fuses elementwise
-work into whatever kernel reads its result unless a barrier keeps the result whole. `fence` is a
-barrier in the forward pass only, `fence_gradient` one on the gradient only. docs/ops.md says what
+work into whatever kernel reads its result unless a barrier keeps the result whole.
+`fence_gradient` is a barrier on the gradient only. docs/ops.md says what
 each trick here removes and what it was predicted to gain; tests/test_ops.py holds each to the
 reference form (model/ops.py), tests/test_gpu_compile.py to the kernels it is for.
 """
@@ -205,20 +205,9 @@ _zero_passing_grad.defvjp(_zero_passing_grad_fwd, _zero_passing_grad_bwd)
 
 
 @jax.custom_vjp
-def fence(x: jax.Array) -> jax.Array:
-    """x behind an optimization barrier in the forward pass only (`jax.lax.optimization_barrier`'s own
-    transpose puts one on the gradient too): x stays an array of its own, which XLA neither fuses
-    into its consumers nor recomputes there."""
-    return jax.lax.optimization_barrier(x)
-
-
-fence.defvjp(lambda x: (fence(x), None), lambda _, g: (g,))
-
-
-@jax.custom_vjp
 def fence_gradient(x: jax.Array) -> jax.Array:
-    """x, whose gradient passes an optimization barrier (`fence`'s counterpart in the backward
-    pass): the kernel that writes the gradient takes none of its consumers' work."""
+    """x, whose gradient passes an optimization barrier: the kernel that writes the gradient takes
+    none of its consumers' work."""
     return x
 
 

@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jaxgpt.config import OPS_FORMS as FORMS, TRICKS, ModelConfig
 from jaxgpt.lowering import activations, loss
 from jaxgpt.lowering.attention import causal_attention, select_kernel
-from jaxgpt.lowering.linear import (Precast, add_bias, dense, fence, fence_gradient, folded_bias,
-                                    passes_input_bias_grad, weight_as_read)
+from jaxgpt.lowering.linear import (Precast, add_bias, dense, fence_gradient, folded_bias, passes_input_bias_grad,
+                                    weight_as_read)
 from jaxgpt.lowering.norm import normalize, normalize_with_amax
 from jaxgpt.model.ops import Ops
 from jaxgpt.parallel.mesh import shard
@@ -246,8 +246,7 @@ class Lowering(Ops):
         x_BTD = self.lookup(table_VD, ids_BT, jnp.float32)
         if positions is not None:
             x_BTD = x_BTD + self.lookup(positions[0], positions[1], jnp.float32, (None, None))
-        x_BTD = x_BTD.astype(dtype)
-        return fence(x_BTD) if self.on("embed_fence") else x_BTD  # an array of its own in dtype
+        return x_BTD.astype(dtype)
 
     def attention(self, q_BTHK, k_BTGK, v_BTGK, docs=None):
         missing = v_BTGK.missing if isinstance(v_BTGK, Operand) else None

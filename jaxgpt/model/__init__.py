@@ -16,10 +16,10 @@
 
 from jaxgpt.model.attention import KV, Attention, KVCache
 from jaxgpt.model.blocks import Block, MoE, MoEGroup
-from jaxgpt.model.gpt import GPT, head_logits, head_table, param_count
+from jaxgpt.model.gpt import GPT, head_logits, param_count
 from jaxgpt.model.layers import MLP, STD, Norm
 from jaxgpt.model.ops import Ops, softcap
 from jaxgpt.model.remat import REMAT_POLICIES
 
 __all__ = ["GPT", "KV", "KVCache", "REMAT_POLICIES", "STD", "Attention", "Block", "MLP", "MoE", "MoEGroup", "Norm",
-           "Ops", "head_logits", "head_table", "param_count", "softcap"]
+           "Ops", "head_logits", "param_count", "softcap"]

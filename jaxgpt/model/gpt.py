@@ -109,9 +109,9 @@ class GPT(nnx.Module):
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
         With a cache (sampling), the tokens sit at positions cache.pos.. and (the last position's
         logits [B, 1, V], cache) returns: a prefill never holds [B, T, V].
-        `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
-        (the loss, `loss`), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
-        models): (output, MoEStats averaged over the MoE blocks)."""
+        `features_only`: the final norm's output [B, T, D] instead, for `loss`, which applies the
+        head a chunk at a time. `with_moe_stats` (training, MoE models): (output, MoEStats averaged
+        over the MoE blocks)."""
         T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT, dtype, 0 if cache is None else cache.pos)
         docs = self.documents(tokens_BT, cache)
@@ -211,11 +211,6 @@ class GPT(nnx.Module):
 
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
         return head_logits(self.ln_f(x_BTD), self._head()[...], self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
-
-
-def head_table(params: dict) -> jax.Array:
-    """The output head's [V, D] table in a parameter dict: `lm_head` when untied, else `wte`."""
-    return params["lm_head"] if "lm_head" in params else params["wte"]
 
 
 def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, cap: float = 0.0) -> jax.Array:
