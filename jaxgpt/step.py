@@ -65,8 +65,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
-from jaxgpt.lowering import Lowering, choose
 from jaxgpt.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
+from jaxgpt.lowering import Lowering, choose
 from jaxgpt.model import GPT, REMAT_POLICIES
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
@@ -308,7 +308,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
     # (`copies`: the block weights' and the tables' copies made before the micro-batch loop, not differentiated)
     def with_both(trainable, bias, copies):
-        blocks, tables = copies or (None, None)
+        blocks, tables = copies
         return with_balance(with_copies(trainable, blocks, setup.logical_axes.get("blocks"), tables), bias)
 
     grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(with_both(trainable, bias, copies), *args),
@@ -319,8 +319,7 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
 
     def metrics_and_grads(params, bias, batch_BT1, copies=None, tables=None):
-        grads, metrics = grad_fn(params, bias, (copies, tables) if copies or tables else None, setup.graphdef,
-                                 batch_BT1)
+        grads, metrics = grad_fn(params, bias, (copies, tables), setup.graphdef, batch_BT1)
         return metrics, grads
 
     def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:

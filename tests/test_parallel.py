@@ -33,14 +33,17 @@ def _in_gemm(cfg, sizes: dict[str, int]) -> bool:
 
 @pytest.fixture(scope="module")
 def single_device_losses(tmp_path_factory, shakespeare_dir):
+    """One device, the reference forms (jaxgpt/model/ops.py: model.ops=reference): the maths."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(tiny_config("train.steps=5", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    train(tiny_config("train.steps=5", "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
     return train_losses(run_dir)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
-    train(tiny_config("train.steps=5", mesh=layout), tmp_path)
+@pytest.mark.parametrize("layout, ops", [(layout, "auto") for layout in LAYOUTS] + [("dp=2,fsdp=2,tp=2", "reference")])
+def test_layout_matches_single_device(layout, ops, single_device_losses, tmp_path):
+    """Every layout in the default form (model.ops=auto: tuned on this CPU, jaxgpt/lowering/)
+    trains to the reference forms' one-device losses, and so does the reference on a 3D layout."""
+    train(tiny_config("train.steps=5", f"model.ops={ops}", mesh=layout), tmp_path)
     losses = train_losses(tmp_path)
     assert len(losses) == 5
     assert single_device_losses[-1] < single_device_losses[0] - 0.05, "the model should be learning"

@@ -34,13 +34,15 @@ LAYOUTS = [  # (mesh, extra overrides, devices)
     ("pp=2,fsdp=4", (), 8),  # weights gathered once per step (pipeline.gather_once, the default)
     ("pp=2,fsdp=4", ("pipeline.gather_once=false",), 8),  # ... or for every micro-batch
     ("pp=2,dp=4", ("pipeline.repeats=2",), 8),  # circular: 2 chunks of 1 layer per stage
+    ("pp=2,dp=2,tp=2", ("model.ops=reference",), 8),  # the reference forms pipelined too (the rest: the default, tuned)
 ]
 
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory, shakespeare_dir):
+    """One device, the reference forms (model.ops=reference, jaxgpt/model/ops.py)."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(tiny_config(*PIPE, mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    train(tiny_config(*PIPE, "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
     return read_metrics(run_dir)
 
 

@@ -15,6 +15,7 @@ jaxgpt/copies.py's. docs/ops.md is the registry of the tricks: what each removes
 its predicted and measured gain, and the test that guards it.
 """
 
-from jaxgpt.lowering.ops import FORMS, TRICKS, Lowering, Operand, choose, compute_dtype
+from jaxgpt.config import TRICKS
+from jaxgpt.lowering.ops import Lowering, Operand, choose, compute_dtype
 
-__all__ = ["FORMS", "TRICKS", "Lowering", "Operand", "choose", "compute_dtype"]
+__all__ = ["TRICKS", "Lowering", "Operand", "choose", "compute_dtype"]

@@ -24,7 +24,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-EPS = 1e-5
+from jaxgpt.model.ops import EPS  # the reference form's
 
 
 def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool,

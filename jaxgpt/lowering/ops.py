@@ -19,7 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.config import OPS_FORMS as FORMS, TRICKS, ModelConfig
+from jaxgpt.config import TRICKS, ModelConfig
 from jaxgpt.lowering import activations, loss
 from jaxgpt.lowering.attention import causal_attention, select_kernel
 from jaxgpt.lowering.linear import (Precast, add_bias, dense, fence_gradient, folded_bias, passes_input_bias_grad,
@@ -171,7 +171,8 @@ class Lowering(Ops):
         b_parts = None if b is None else [jax.lax.index_in_dim(b, i, 0, keepdims=False) for i in range(len(parts))]
         if b_parts is not None and op.routed is not None:
             w_read = weight_as_read(w, op.x.dtype)
-            b_parts = [routed(b_i, jax.lax.index_in_dim(w_read, i, axis, keepdims=False)) for i, b_i in enumerate(b_parts)]
+            b_parts = [routed(b_i, jax.lax.index_in_dim(w_read, i, axis, keepdims=False))
+                       for i, b_i in enumerate(b_parts)]
         missing = None
         if b_parts is not None and self.on("qkv_bias_drop") and self.epilogues(bool({"qkv", "attn_out"} & self.fp8)):
             cancels = not self.cfg.qk_norm and self.cfg.position != "rope"
@@ -255,7 +256,8 @@ class Lowering(Ops):
                                max_documents=self.cfg.max_documents, cp=self.size("cp"))
         if missing is None:
             return out
-        return Operand(out, missing=jnp.repeat(missing, q_BTHK.shape[2] // missing.shape[0], axis=0))  # head h: group h // (H/G)
+        # v's bias as the output's: query head h reads kv head h // (H/G)
+        return Operand(out, missing=jnp.repeat(missing, q_BTHK.shape[2] // missing.shape[0], axis=0))
 
     def cached_attention(self, q_BTHK, k_BTGK, v_BTGK, kv, pos, docs=None):
         if isinstance(v_BTGK, Operand):

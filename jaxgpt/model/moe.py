@@ -201,7 +201,8 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, ops: Ops, *, mlp
     h_EGCF = _plus(ops.linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF), w.fc_bias_EF)
     gate_EGCF = None if w.gate_EDF is None else _plus(
         ops.linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF), w.gate_bias_EF)
-    h_EGCF = shard(ops.activation(mlp, h_EGCF, gate_EGCF, into="expert_out"), "experts", "expert_batch", None, "act_mlp")
+    h_EGCF = ops.activation(mlp, h_EGCF, gate_EGCF, into="expert_out")
+    h_EGCF = shard(h_EGCF, "experts", "expert_batch", None, "act_mlp")
     y_EGCD = _plus(ops.linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD), w.proj_bias_ED)
     if manual_ep:
         y_EGCD = jax.lax.all_to_all(y_EGCD, "ep", 1, 0, tiled=True)  # back to [E, G, C, D]

@@ -111,8 +111,8 @@ class Ops:
 
     def token_nats(self, x_BTD, table_VD, labels_BT, dtype):
         """Cross-entropy in nats of each position's label [B, T], fp32: logsumexp(logits) -
-        logit[label], the logits the head's (x @ table^T, the table a Param or an array, operands in `dtype`, rounded to it;
-        soft-capped at model.logit_softcap; the vocabulary's padding rows excluded). A chunk of
+        logit[label], the logits the head's (x @ table^T, the table a Param or an array, operands in
+        `dtype`, rounded to it; soft-capped at model.logit_softcap; the vocabulary's padding rows excluded). A chunk of
         `loss_chunk` positions at a time, each recomputed for the backward pass, so that only one
         chunk's [B, t, V] logits exist at a time."""
         B, T, D = x_BTD.shape
