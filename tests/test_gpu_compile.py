@@ -214,8 +214,11 @@ def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]
 @pytest.mark.guards("norm_vjp", "gelu_derivative")
 def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     """gpt2-124m's micro-batch on one H100 (128 x 1,024 rows of D=768, F=3072): no memory-bound
-    kernel writes an fp32 [rows, D] tensor (with autodiff's norm backward these 2 layers wrote
-    seven, five of them g * xhat for dscale's column sum: jaxgpt/lowering/norm.py), and the tanh-GELU's
+    kernel of the norms writes an fp32 [rows, D] tensor (with autodiff's norm backward these 2
+    layers wrote seven, five of them g * xhat for dscale's column sum: jaxgpt/lowering/norm.py); two
+    are the embedding's, its sum written in fp32 beside the rounded one and the first norm's dx in
+    fp32 for its scatter (a forward barrier kept them out until it was retired: 0.1% of the step,
+    docs/ops.md); and the tanh-GELU's
     [rows, F] traffic is its minimum: per layer, the forward reads h and writes gelu(h) and its
     derivative, the backward's product g gelu'(h) runs in the epilogue of the MLP out GEMM that
     writes g, which reads the derivative (jaxgpt/lowering/activations.py gelu_tanh_keeping_derivative), and
@@ -226,7 +229,7 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     _, instrs = _instructions(text)
     rows, D, F, L = 128 * 1024, 768, 3072, 2
     wide_f32 = [k for k in _arrays_of(text, rows * D) if k[2] and "f32" in k[3][k[1]:]]
-    assert not wide_f32, wide_f32
+    assert len(wide_f32) <= 2, wide_f32  # the embedding's two
     gelu = _arrays_of(text, rows * F)
     assert {t for k in gelu for t in k[3]} == {"bf16"}, gelu
     assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 0)] * L + [(1, 2)] * L, gelu
@@ -293,20 +296,17 @@ def test_forward_norms_are_one_pass_and_the_residual_add_rides_in_the_gemms(comp
 @needs_plugin
 @pytest.mark.guards("norm_vjp", "routed_bias")
 def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(compiled):
-    """gpt2-124m's micro-batch on one H100 (2 layers, bf16): LayerNorm's dscale and dbias are one
-    variadic column sum (jaxgpt/lowering/norm.py), so XLA:GPU computes them in the kernel that writes dx: no
-    memory-bound kernel reads the norm's input and its incoming gradient, two [rows, D] arrays, only
-    to sum columns. As two sums beside the residual branch's bias gradient, three column reductions
-    in all, XLA took one of them out into such a pass, in all 5 norms (0.159 ms each at this
-    micro-batch). One such pass is left: layer 0's ln_1, whose dx goes to the embedding's scatter.
+    """gpt2-124m's micro-batch on one H100 (2 layers, bf16): the hand-written LayerNorm backward
+    (jaxgpt/lowering/norm.py) sums dscale and dbias in the kernel that writes dx: no memory-bound
+    kernel reads the norm's input and its incoming gradient, two [rows, D] arrays, only to sum
+    columns (one such pass at most: layer 0's ln_1, whose dx goes to the embedding).
 
     And the residual branches' bias sums (attention's and the MLP's c_proj, whose bias is in their
-    GEMMs' epilogues: jaxgpt/lowering/ops.py `Lowering.linear`) ride in the dx pass of the norm after them:
-    ln_1 and ln_2 route their own bias's gradient through the linears they feed (jaxgpt/lowering/ops.py
-    `Lowering.norm`, a GEMV each), which leaves that pass one column sum of its own. Only the last
-    block's MLP sums its bias in a pass of its own, reading the one gradient: ln_f routes nothing.
-    With each norm summing its bias, each branch bias was such a pass (0.081 ms; gpt2-124m on one
-    H100, 909.5 -> 902.7 ms a step predicted)."""
+    GEMMs' epilogues: jaxgpt/lowering/ops.py `Lowering.linear`) ride in the dx pass of the norm
+    after them: ln_1 and ln_2 route their own bias's gradient through the linears they feed
+    (`Lowering.norm`, routed_bias: a GEMV each), which leaves that pass one column sum of its own.
+    At most the last block's MLP sums its bias in a pass of its own, reading the one gradient (ln_f
+    routes nothing). With each norm summing its bias, each branch bias was such a pass."""
     text = compiled["gpt2_one_gpu"].compiled.as_text()
     _, instrs = _instructions(text)
     rows, D = 128 * 1024, 768
@@ -321,7 +321,7 @@ def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(com
         elif wide == 1:
             lone.append((k.name, _op_name(instrs[k.name])))
     assert len(column_sums) <= 1, column_sums
-    assert len(lone) == 1 and "/mlp_out/" in lone[0][1], lone
+    assert len(lone) <= 1 and all("/mlp_out/" in op for _, op in lone), lone
 
 
 @needs_plugin
@@ -709,8 +709,8 @@ def test_fsdp_gathers_no_fp32_table(compiled):
         m = (load_config("gpt2-124m", overrides, mesh) if name == "fsdp=8" else tiny_config(*overrides, mesh=mesh)).model
         shard = m.padded_vocab * m.n_embd // 16
         gathered = [(dtype, dims) for dtype, dims in _gathered(compiled[name].compiled.as_text())]
-        tables = [(dtype, dims) for dtype, dims in gathered if math.prod(map(int, dims.split(","))) >= shard
-                  or dims in (f"{m.seq_len},{m.n_embd}", f"{m.n_embd},{m.seq_len}")]
+        tables = [(dtype, dims) for dtype, dims in gathered if dtype in ("f32", "bf16") and (
+                  math.prod(map(int, dims.split(","))) >= shard or dims in (f"{m.seq_len},{m.n_embd}", f"{m.n_embd},{m.seq_len}"))]
         assert tables and {dtype for dtype, _ in tables} == {"bf16"}, (name, tables)
 
 
@@ -941,14 +941,18 @@ def _fmha_operand_heads(text: str) -> list[list[int]]:
 def test_modern_block_runs_grouped_query_cudnn_attention_and_fp8_swiglu(modern):
     """cuDNN attention forward and backward with K and V at their own head count (1 per device)
     next to q's 2: the kv heads are never repeated to the query heads' count in memory. The gated
-    MLP's three matmuls (mlp_in, mlp_gate, mlp_out) are fp8 forward and backward like the rest."""
+    MLP's three matmuls (mlp_in, mlp_gate, mlp_out) are fp8 forward and backward like the rest;
+    under fsdp XLA:GPU merges the in and gate forward GEMMs, which read one cast of the same input,
+    into one (a barrier kept them apart until it was retired: it lost 0.1% on llama-8b fsdp=8,
+    docs/ops.md)."""
     counts = fused_attention_counts(modern)
     assert counts["forward"] >= 1 and counts["backward"] >= 1, counts
     heads = _fmha_operand_heads(modern)
     assert heads and all(h[:3] == [2, 1, 1] for h in heads), heads
     count = _block_gemms(modern)
     for layer in ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out"):
-        assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (layer, count)
+        assert count[layer, "backward"] >= 2, (layer, count)
+        assert count[layer, "forward"] >= 1 or layer == "mlp_in" and count["mlp_gate", "forward"] >= 1, (layer, count)
 
 
 # Document masking (model.document_mask, issue 41) with rotary positions restarting per document and

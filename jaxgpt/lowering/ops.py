@@ -13,7 +13,6 @@ folded into the attention output's projection. The model passes these on unopene
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -25,7 +24,7 @@ from jaxgpt.lowering.attention import causal_attention, select_kernel
 from jaxgpt.lowering.linear import (Precast, add_bias, dense, fence_gradient, folded_bias, passes_input_bias_grad,
                                     weight_as_read)
 from jaxgpt.lowering.norm import normalize, normalize_with_amax
-from jaxgpt.model.ops import Ops
+from jaxgpt.model.ops import Ops, positions
 from jaxgpt.parallel.mesh import shard
 
 CPU_AUTO = "tuned"  # model.ops=auto on a CPU: the faster form there, measured (docs/ops.md)
@@ -234,19 +233,13 @@ class Lowering(Ops):
         the lookup inside the train step's dp shard_map, so the table is read whole."""
         return (None if self.fsdp and self.tp > 1 else "vocab", None)
 
-    def lookup(self, table_VD, ids, dtype, axes=None):
-        """The table's rows for ids (a Param, an array, or the table's `Precast` copy, gathered
-        once per step in the compute dtype: `tables_in_compute_dtype`), in dtype. axes: how the
-        table is read (default `table_axes`)."""
-        w, axes = table_VD.get_value() if hasattr(table_VD, "get_value") else table_VD, axes or self.table_axes
-        if isinstance(w, Precast):
-            return _copy_rows(w.w, w.c, ids, axes).astype(dtype)
-        return shard(w, *axes)[ids].astype(dtype)
+    def lookup(self, table_VD, ids, dtype):
+        """The table's rows for ids, in dtype (the embedding's and the loss's label rows)."""
+        return shard(_read(table_VD), *self.table_axes)[ids].astype(dtype)
 
-    def embed(self, table_VD, ids_BT, dtype, positions=None):
+    def embed(self, table_VD, ids_BT, dtype, wpe_TD=None, pos=0, cp=1):
         x_BTD = self.lookup(table_VD, ids_BT, jnp.float32)
-        if positions is not None:
-            x_BTD = x_BTD + self.lookup(positions[0], positions[1], jnp.float32, (None, None))
+        x_BTD = x_BTD if wpe_TD is None else x_BTD + positions(_read(wpe_TD), pos, ids_BT.shape[1], cp)
         return x_BTD.astype(dtype)
 
     def attention(self, q_BTHK, k_BTGK, v_BTGK, docs=None):
@@ -278,20 +271,18 @@ class Lowering(Ops):
         return loss.chunk_positions(self.cfg, loss.rows_per_device(B), T, self.platform)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _copy_rows(table_VD, copy_VD, ids, axes):
-    """copy[ids] (the table's copy in the compute dtype, gathered once per step); the gradient
-    scatter-added into the fp32 table, as autodiff of the fp32 lookup gives it."""
-    return copy_VD[ids]
+def _read(table):
+    """A table's value (a Param's or an array), or with `tables_in_compute_dtype` its `Precast`
+    copy (gathered in the compute dtype once per step, jaxgpt/copies.py) read in the parameter's
+    dtype, its gradient the parameter's: the gather moved the compute dtype's bytes, the lookups
+    and their gradients stay as autodiff of the fp32 table gives them."""
+    w = table.get_value() if hasattr(table, "get_value") else table
+    return _copy_read(w.w, w.c) if isinstance(w, Precast) else w
 
 
-def _copy_rows_fwd(table_VD, copy_VD, ids, axes):
-    return copy_VD[ids], (table_VD, ids)
+@jax.custom_vjp
+def _copy_read(table, copy):
+    return copy.astype(table.dtype)
 
 
-def _copy_rows_bwd(axes, res, g):
-    table_VD, ids = res  # zeros of the table's type: dp-varying inside the train step's dp shard_map
-    return shard(jnp.zeros_like(table_VD), *axes).at[ids].add(g.astype(table_VD.dtype)), None, None
-
-
-_copy_rows.defvjp(_copy_rows_fwd, _copy_rows_bwd)
+_copy_read.defvjp(lambda table, copy: (_copy_read(table, copy), None), lambda _, g: (g, None))

@@ -139,10 +139,8 @@ class GPT(nnx.Module):
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`;
         training under context parallelism, in its device order (jaxgpt/parallel/context.py)."""
         cp = balanced_ways(tokens_BT.shape[1]) if isinstance(pos, int) and pos == 0 else 1
-        positions = None  # learned positions: wpe's rows for each index's position
-        if self.cfg.position == "learned":
-            positions = (self.wpe, to_device_order(pos + jnp.arange(tokens_BT.shape[1]), cp, axis=0))
-        x_BTD = self.ops.embed(self.wte, to_device_order(tokens_BT, cp), dtype, positions)
+        wpe = self.wpe if self.cfg.position == "learned" else None
+        x_BTD = self.ops.embed(self.wte, to_device_order(tokens_BT, cp), dtype, wpe, pos, cp)
         return shard(x_BTD, "batch", "seq", "act_embed")
 
     def documents(self, tokens_BT: jax.Array, cache: KVCache | None = None) -> Documents | None:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.model.documents import Documents, visible
+from jaxgpt.parallel.context import to_device_order
 from jaxgpt.parallel.mesh import shard
 
 EPS = 1e-5  # the norms'
@@ -72,16 +73,13 @@ class Ops:
         """x + y, a block's residual add; after: the linear kind that wrote y (None: no GEMM's)."""
         return x + y
 
-    def embed(self, table_VD, ids_BT, dtype, positions=None):
+    def embed(self, table_VD, ids_BT, dtype, wpe_TD=None, pos=0, cp: int = 1):
         """The rows of the [V, D] table (a Param or an array) for ids [B, T], plus with learned
-        positions (wpe [T, D], position of each index [T]) wpe's rows, in `dtype`. The table is read
-        whole along D (fsdp's shards gathered) and split over tp along V, as Megatron's
-        vocab-parallel embedding."""
+        positions wpe's rows pos.. (in context parallelism's device order of `cp` devices), in
+        `dtype`. The table is read whole along D (fsdp's shards gathered) and split over tp along
+        V, as Megatron's vocab-parallel embedding."""
         x_BTD = shard(table_VD[...], "vocab", None)[ids_BT]
-        if positions is not None:
-            wpe_TD, at_T = positions
-            x_BTD = x_BTD + shard(wpe_TD[...], None, None)[at_T]
-        return x_BTD.astype(dtype)
+        return (x_BTD if wpe_TD is None else x_BTD + positions(wpe_TD[...], pos, ids_BT.shape[1], cp)).astype(dtype)
 
     def attention(self, q_BTHK, k_BTGK, v_BTGK, docs: Documents | None = None):
         """softmax(q k^T / sqrt(K) + mask) v, [B, T, H, K], query head h reading key/value head
@@ -144,6 +142,11 @@ class Ops:
     def loss_chunk(self, B: int, T: int) -> int:
         """Positions per chunk of the loss (model.loss_chunk where it divides T, else all of them)."""
         return self.cfg.loss_chunk if self.cfg.loss_chunk and T % self.cfg.loss_chunk == 0 else T
+
+
+def positions(wpe_TD: jax.Array, pos, T: int, cp: int = 1) -> jax.Array:
+    """wpe's rows for positions pos .. pos+T-1, in the device order of `cp` devices (pos 0)."""
+    return jax.lax.dynamic_slice_in_dim(wpe_TD, pos, T) if cp == 1 else to_device_order(wpe_TD, cp, axis=0)
 
 
 def softcap(logits: jax.Array, cap: float) -> jax.Array:
