@@ -1,6 +1,6 @@
 """Command-line plumbing shared by the jaxgpt commands: one-line errors and exit codes.
 
-Exit codes (documented in the README):
+Exit codes (documented in docs/errors.md, whose table tests/test_docs.py checks against these):
     0  success
     1  a failure while running: a traceback, or one `error: ...` line for XLA's out-of-memory (not
        necessarily the same on a second try: launch_multihost.sh restarts) and for any other error
@@ -82,8 +82,8 @@ def run_main(fn: Callable[[Sequence[str] | None], None], argv: Sequence[str] | N
     except StepFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-    except KeyboardInterrupt:  # Ctrl-C outside a command's own handling
-        _say_interrupted()
+    except KeyboardInterrupt as e:  # Ctrl-C outside a command's own handling (or with its own line: plan --search)
+        _say_interrupted(*e.args[:1])
         return EXIT_INTERRUPTED
     except (RuntimeError, OSError, ValueError, AssertionError, MemoryError) as e:  # TensorStore: a full disk as a ValueError
         if (said := environment_failure(e)) is None:
@@ -179,11 +179,11 @@ def out_of_memory(e: BaseException) -> str | None:
 INTERRUPTED = "interrupted; run the same command to start again (training resumes from its newest checkpoint, if any)"
 
 
-def _say_interrupted() -> None:
+def _say_interrupted(line: str = INTERRUPTED) -> None:
     fd = _quiet.stderr_fd()  # not the capture of fd 2 that importing JAX may have in place
     lead = "\n" if os.isatty(fd) else ""  # off the line of the ^C
     sys.stderr.flush()
-    os.write(fd, f"{lead}{INTERRUPTED}\n".encode())
+    os.write(fd, f"{lead}{line}\n".encode())
 
 
 def exit_interrupted(*_) -> NoReturn:

@@ -126,13 +126,17 @@ def _ops_words(key: str, raw: Any) -> str:
 class ModelConfig:
     n_layer: int = _f(4, "transformer blocks", range=POSITIVE)
     n_head: int = _f(4, "attention heads per block", range=POSITIVE)
-    n_embd: int = _f(128, "model width D (n_head must divide it)", range=POSITIVE)
+    n_embd: int = _f(128, "model width D (n_head must divide it unless head_size is set)", range=POSITIVE)
+    head_size: int = _f(0, "per-head width K of q, k and v; 0 = n_embd / n_head (Qwen3-0.6B: 128 with n_embd 1024 "
+                        "and 16 heads)", range=NONNEGATIVE)
     seq_len: int = _f(128, "context length T in tokens (also the number of position embeddings)", range=POSITIVE)
     vocab_size: int = _f(50257, "tokenizer vocabulary; padded to a multiple of 128 inside the model", range=POSITIVE)
     # The decoder's architecture; every default is GPT-2's, so existing configs and checkpoints keep their meaning.
     norm: str = _f("layernorm", "normalisation of the blocks and the final features: layernorm (GPT-2) or rmsnorm "
                    "(Llama)", ("layernorm", "rmsnorm"))
     norm_scale: bool = _f(True, "a learned scale in every norm; false: parameter-free norms (nanochat)")
+    norm_eps: float = _f(1e-5, "epsilon added to every norm's variance (GPT-2, Llama: 1e-5; Qwen3: 1e-6)",
+                         range=POSITIVE)
     position: str = _f("learned", "positions: learned embeddings wpe (GPT-2) or rotary embeddings on q and k (rope)",
                        ("learned", "rope"))
     rope_theta: float = _f(10000.0, "RoPE base: the slowest rotary frequency is 1/rope_theta (Llama 3: 500000)",
@@ -155,6 +159,9 @@ class ModelConfig:
     document_mask: bool = _f(False, "a token attends only to earlier tokens of its own document, documents "
                              "delimited by <|endoftext|> (which begins the next one as an input); off: causal "
                              "across the whole window (jaxgpt/model/documents.py)")
+    document_token: int = _f(50256, "the token id that begins a document, which model.document_mask splits windows "
+                             "at: the tokenizer's document separator (GPT-2's <|endoftext|> = 50256; Llama 3's "
+                             "<|begin_of_text|> = 128000; Qwen's <|endoftext|> = 151643)", range=NONNEGATIVE)
     position_reset: bool = _f(False, "with document_mask and position=rope: rotary positions restart at 0 at each "
                               "document (learned positions always index the window)")
     max_documents: int = _f(64, "cuDNN attention with document_mask: documents per window in its packed layout "
@@ -169,7 +176,7 @@ class ModelConfig:
                   "(jaxgpt/lowering/'s fused and hand-written forms; docs/ops.md) or auto (tuned on a GPU, and on a "
                   "CPU the form measured faster there); a list of tricks runs those alone", words=_ops_words)
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
-                        "fused loss (logits from e4m3 x e4m3; costs some loss, see README)")
+                        "fused loss (logits from e4m3 x e4m3; costs some loss, see docs/gpus.md)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, save only matmul "
                     "outputs (dots, dots_no_batch), or only the fused attention kernel's (attention: recompute "
                     "the block but never its cuDNN/tokamax attention forward); auto = the least recompute whose "
@@ -207,6 +214,9 @@ class ModelConfig:
                           "(DeepSeek-V3's auxiliary-loss-free balancing: a per-expert routing bias, no gradient, "
                           "moved by moe_bias_rate against each step's load; the aux loss is then only logged)",
                           ("aux", "bias"))
+    moe_norm_topk: bool = _f(True, "renormalise each token's top-k router probabilities to sum to 1 as its combine "
+                             "weights (Mixtral; Qwen3-MoE's norm_topk_prob); false: the softmax probabilities as "
+                             "they are")
     moe_bias_rate: float = _f(0.001, "moe_balance=bias: the routing bias of an expert above the mean load falls "
                               "by this much per step, one below it rises by as much", range=POSITIVE)
 
@@ -216,13 +226,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        """K: head_size, or n_embd / n_head when it is 0."""
+        return self.head_size or self.n_embd // self.n_head
 
     def beyond_gpt2(self) -> list[str]:
         """The architecture keys set away from GPT-2's choice, as 'key=value' (empty for a GPT-2)."""
         gpt2 = {"norm": "layernorm", "norm_scale": True, "position": "learned", "mlp": "gelu",
                 "mlp_hidden": (0, 4 * self.n_embd), "n_kv_head": (0, self.n_head), "qk_norm": False,
-                "tie_embeddings": True, "bias": True, "logit_softcap": 0.0}
+                "tie_embeddings": True, "bias": True, "logit_softcap": 0.0, "norm_eps": 1e-5,
+                "head_size": (0, self.n_embd // self.n_head)}
         return [f"model.{k}={getattr(self, k)}" for k, v in gpt2.items()
                 if getattr(self, k) not in (v if isinstance(v, tuple) else (v,))]
 
@@ -255,6 +267,17 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = _f("shakespeare", "'shakespeare' (bundled, prepared on first use) or a dir made by python -m jaxgpt.prepare")
+    tokenizer: str = _f("gpt2", "gpt2 (bundled), a Hugging Face tokenizer.json (or a directory holding one) or a "
+                        "tiktoken BPE file such as Llama 3's tokenizer.model; data must be prepared with the same one")
+    chat: str = _f("", "supervised fine-tuning on chat data, replacing data.path: JSONL or Parquet files, directories "
+                   "or globs (comma-separated) of {\"messages\": [{\"role\": ..., \"content\": ...}, ...]}, or "
+                   "'bundled' (a generated chat set); the loss counts assistant tokens only (jaxgpt/chat/)")
+    chat_template: str = _f("", "data.chat's template: empty = the tokenizer's own (chat_template in "
+                            "tokenizer_config.json; GPT-2's: the built-in ChatML-style one), or a Jinja file")
+    chat_val_fraction: float = _f(0.05, "data.chat: the fraction of conversations (every 1/f-th) held out for the "
+                                  "val loss", range=Range(0, 1, lo_open=True, hi_open=True))
+    skip_bad_lines: bool = _f(False, "data.chat: skip (and count) malformed lines and conversations (no role or "
+                              "content, a role the template does not know, no assistant turn) instead of refusing")
     mix: str = _f("", "mixture of prepared dirs with weights, e.g. 'web:0.7,code:0.3' (replaces data.path when set)")
     num_threads: int = _f(2, "Grain reader threads per process", range=POSITIVE)
     prefetch: int = _f(4, "batches Grain prepares ahead of the device", range=NONNEGATIVE)
@@ -337,7 +360,7 @@ class CheckpointConfig:
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
     init_from: str = _f("", "start a new run from another run's latest checkpoint (its run dir or checkpoints dir)")
     init_params_only: bool = _f(False, "with init_from: take only the parameters (fresh optimizer, step 0, data order)")
-    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2, Llama or Mixtral weights (a dir with config.json + "
+    init_from_hf: str = _f("", "start a new run from Hugging Face GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE weights (a dir with config.json + "
                            "model.safetensors)")
 
 
@@ -413,7 +436,8 @@ OTHER_NAMES = {"learning_rate": "optimizer.lr", "lr_min": "optimizer.min_lr_rati
                "log_interval": "logging.every", "grad_clip_norm": "optimizer.grad_clip",
                "max_norm": "optimizer.grad_clip", "n_heads": "model.n_head", "n_layers": "model.n_layer",
                "dim": "model.n_embd", "emb_dim": "model.n_embd", "num_experts": "model.moe_experts",
-               "checkpoint_interval": "checkpoint.every"}
+               "checkpoint_interval": "checkpoint.every", "head_dim": "model.head_size",
+               "rms_norm_eps": "model.norm_eps", "norm_topk_prob": "model.moe_norm_topk"}
 
 
 def _nearest_key(key: str, keys) -> str:
@@ -601,7 +625,7 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     sizes = mesh_shape(cfg.mesh, n_devices)
     if m.loss_chunk and m.seq_len % m.loss_chunk:
         raise UserError(f"model.loss_chunk={m.loss_chunk} does not divide model.seq_len={m.seq_len}")
-    if m.n_embd % m.n_head:
+    if m.n_embd % m.n_head and not m.head_size:
         raise UserError(f"model.n_head={m.n_head} does not divide model.n_embd={m.n_embd}")
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.grad_accum={t.grad_accum} does not divide train.batch_size={t.batch_size}")
@@ -639,12 +663,24 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
                         f"serves n_head / n_kv_head query heads)")
+    if cfg.data.chat and cfg.data.mix:
+        raise UserError("data.chat and data.mix are both set; fine-tune on chat data (data.chat) or train on a "
+                        "mixture (data.mix), not both")
+    if cfg.data.chat and cfg.checkpoint.init_from and not cfg.checkpoint.init_params_only:
+        raise UserError("data.chat fine-tunes another run's parameters: set checkpoint.init_params_only=true (that "
+                        "run's optimizer state, step and data position belong to its own data)")
+    if cfg.data.chat and not m.document_mask:
+        raise UserError("data.chat packs several conversations into each window: set model.document_mask=true so "
+                        "that none sees another")
+    if m.document_mask and m.document_token >= m.vocab_size:
+        raise UserError(f"model.document_token={m.document_token} is past model.vocab_size={m.vocab_size}; set it to "
+                        f"the tokenizer's document separator")
     if m.position_reset and not (m.document_mask and m.position == "rope"):
         raise UserError("model.position_reset restarts rotary positions at each document: it needs "
                         "model.document_mask=true and model.position=rope (learned positions index the window)")
     if m.position == "rope" and m.head_dim % 2:
-        raise UserError(f"model.position=rope rotates pairs of features, but the head dim n_embd / n_head = "
-                        f"{m.head_dim} is odd")
+        raise UserError(f"model.position=rope rotates pairs of features, but the head dim (model.head_size, or "
+                        f"n_embd / n_head) = {m.head_dim} is odd")
     _validate_eval(cfg, sizes)
     # ep > 1 with a dense model is allowed: ep then only splits the batch, like a dp axis.
     pipeline_microbatches(cfg, sizes)  # raises if the pipeline layout cannot work
@@ -724,13 +760,21 @@ def pipeline_microbatches(cfg: Config, sizes: dict[str, int]) -> int:
     return M
 
 
-def help_text() -> str:
-    lines = ["config keys (set in a YAML file or as section.key=value):"]
+def key_help() -> list[tuple[str, Any, str, str, str]]:
+    """(key, default, meaning, choices as 'a|b' or '', range as '> 0' or '') for every config key:
+    what --help prints and scripts/config_reference.py writes to docs/config.md."""
+    rows = []
     for key, f in all_keys().items():
         choices = f.metadata.get("choices")
-        extra = f" [{'|'.join(choices)}]" if choices and len(choices) > 1 else ""
         allowed = f.metadata.get("range")
-        if allowed is not None and allowed != Range():
-            extra += f" ({allowed})"
-        lines.append(f"  {key:<26} = {f.default!s:<12} {f.metadata['doc']}{extra}")
+        rows.append((key, f.default, f.metadata["doc"], "|".join(choices) if choices and len(choices) > 1 else "",
+                     str(allowed) if allowed is not None and allowed != Range() else ""))
+    return rows
+
+
+def help_text() -> str:
+    lines = ["config keys (set in a YAML file or as section.key=value):"]
+    for key, default, doc, choices, allowed in key_help():
+        extra = (f" [{choices}]" if choices else "") + (f" ({allowed})" if allowed else "")
+        lines.append(f"  {key:<26} = {default!s:<12} {doc}{extra}")
     return "\n".join(lines)

@@ -64,6 +64,9 @@ def abstract_inputs(cfg: Config, mesh, setup) -> tuple[Any, Any]:
     state = abstract_state(cfg, setup)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
+    if cfg.data.chat:  # fine-tuning: (tokens, loss weights), jaxgpt/step.py
+        batch = (batch, jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len), np.float32,
+                                             sharding=named(mesh, ("batch", None))))
     return state, batch
 
 
@@ -369,6 +372,12 @@ def _mib(n: float) -> str:
     return f"{n / MIB:>12,.1f}"
 
 
+def memory_line(need: int, capacity: int) -> str:
+    """What the step needs of what a device has, in one line: the capacity alone read as usage."""
+    verdict = "fits" if need <= capacity else "this would not fit"
+    return f"memory per device: needs {need / MIB:,.1f} of {capacity / MIB:,.1f} MiB: {verdict}"
+
+
 def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     t, m = cfg.train, cfg.model
     layout = ",".join(f"{a}={s}" for a, s in p["mesh"].items())
@@ -410,8 +419,7 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
             ("  generated code", mem["generated_code"]), ("  total", mem["peak"])]
     lines += [f"{label:<44}{'' if v is None else _mib(v)}" for label, v in rows]
     if p["device_memory_bytes"]:
-        verdict = "fits" if p["fits"] else "this would not fit"
-        lines.append(f"{'device memory':<44}{_mib(p['device_memory_bytes'])}   {verdict}")
+        lines.append(memory_line(mem["peak"], p["device_memory_bytes"]))
     if pp := p.get("pipeline"):
         S, R, M = pp["stages"], pp["repeats"], pp["microbatches"]
         lines += ["", f"pipeline: {pp['schedule']}, {S} stages x {R} chunk(s) of {pp['layers_per_chunk']} layers, "
@@ -547,8 +555,8 @@ def _main(argv: Sequence[str] | None) -> None:
         result["reference_predicted"] = reference["predicted"]
         print(format_reference(result, reference), flush=True)
     if result["fits"] is False:
-        print(f"warning: this would not fit: {result['memory']['peak'] / GIB:.2f} GiB per device > "
-              f"{result['device_memory_bytes'] / GIB:.2f} GiB", file=sys.stderr, flush=True)
+        print(f"warning: this would not fit: the step needs {result['memory']['peak'] / GIB:.2f} GiB per device, "
+              f"which has {result['device_memory_bytes'] / GIB:.2f} GiB", file=sys.stderr, flush=True)
     if args.json:
         import json
         with open(args.json, "w") as f:

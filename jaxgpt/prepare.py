@@ -18,7 +18,7 @@ from jaxgpt.errors import UserError
 def _prepare(argv: Sequence[str] | None) -> None:
     parser = ArgumentParser(
         prog="python -m jaxgpt.prepare",
-        description="Tokenize documents with GPT-2 BPE into fixed-size token shards "
+        description="Tokenize documents (GPT-2's BPE, or --tokenizer) into fixed-size token shards "
                     "(train-00000.bin, ..., val-00000.bin, ...) and meta.json. Inputs: UTF-8 text "
                     "files (one document each, or split by --separator) and JSON Lines (.jsonl, .ndjson, "
                     ".json), both also .gz/.zst, and Parquet, as files, directories or globs.")
@@ -27,6 +27,10 @@ def _prepare(argv: Sequence[str] | None) -> None:
     parser.add_argument("--val-fraction", type=float, default=0.1,
                         help="fraction of the documents (every 1/f-th one) kept for validation "
                              "(default 0.1)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="gpt2 (default), a Hugging Face tokenizer.json (or a directory holding one) or a "
+                             "tiktoken BPE file such as Llama 3's tokenizer.model: train with the same data.tokenizer; "
+                             "documents are separated by its document separator (GPT-2's <|endoftext|>; jaxgpt/tokenizer.py)")
     parser.add_argument("--text-field", default="text",
                         help="JSON field / Parquet column holding the text (default: text)")
     parser.add_argument("--separator", default=None,
@@ -53,7 +57,8 @@ def _prepare(argv: Sequence[str] | None) -> None:
         prepare_corpus(args.inputs, args.out, text_field=args.text_field, separator=separator,
                        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens,
                        workers=args.workers, skip_bad_lines=args.skip_bad_lines,
-                       progress=args.progress, batch_chars=max(1, int(args.batch_mb * 1e6)))
+                       progress=args.progress, batch_chars=max(1, int(args.batch_mb * 1e6)),
+                       tokenizer_spec=args.tokenizer)
     except KeyboardInterrupt:
         raise Interrupted(args.out) from None
 

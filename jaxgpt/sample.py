@@ -1,4 +1,4 @@
-"""`python -m jaxgpt.sample RUN_DIR [--prompt TEXT | --prompt-file F] [options]`: text from a checkpoint.
+"""`python -m jaxgpt.sample RUN_DIR [--prompt TEXT | --prompt-file F] [--chat [--system TEXT]] [options]`: text from a checkpoint.
 
 Generation uses a KV cache: one jitted prefill runs the prompt through the model and fills every
 layer's keys and values; then a jitted decode step feeds one token per sample, attends to the
@@ -11,6 +11,14 @@ Sampling: logits / temperature, then top-k (keep the k most likely), then top-p 
 set whose probability reaches p), then a categorical draw from the seed. temperature=0 is greedy.
 
 With one sample the text is streamed as it is generated; with several, each is printed when done.
+Text is the run's tokenizer's (RUN_DIR/tokenizer, else GPT-2's: jaxgpt/tokenizer.py).
+
+`--chat` talks to a fine-tuned model in its chat template (the run's data.chat_template, else its
+tokenizer's own, else the built-in one it was trained with: jaxgpt/chat/template.py): `--prompt` is
+one user message, answered once; without it, each line on stdin is one (an empty line or Ctrl-D
+ends the conversation). Every turn renders the whole conversation again, dropping its oldest
+turns (a system message stays) so that it and the reply fit the context, and the reply stops at
+the template's end-of-turn marker (`<|im_end|>`, Llama 3's `<|eot_id|>`) or after --max-new-tokens.
 `--mesh` shards the parameters by the same table as training, so a model too big for one device
 samples across several; the samples themselves are small and left replicated. An MoE model samples
 with no expert capacity limit (jaxgpt/model/moe.py: `drop=False`), so no token is dropped.
@@ -19,6 +27,7 @@ with no expert capacity limit (jaxgpt/model/moe.py: `drop=False`), so no token i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -30,7 +39,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxgpt import files
+from jaxgpt import files, tokenizer
+from jaxgpt.chat.template import BadConversation, ChatTemplate
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
@@ -38,7 +48,6 @@ from jaxgpt.lowering import compute_dtype
 from jaxgpt.model import KVCache
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup
-from jaxgpt.tokenizer import EOT_TEXT, check_ids_fit, gpt2_encoding
 
 
 MAX_TEMPERATURE = 1e30
@@ -112,8 +121,10 @@ def check_host_memory(cfg: Config, num_samples: int) -> None:
 SAMPLING_TEMPORARIES = 2.5  # peak host memory / (KV cache + logits), measured for 500-4,000 samples
 
 
-def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
-    B, _ = prompt_BT.shape
+@functools.lru_cache(maxsize=8)
+def _steps(graphdef, cfg: Config, B: int, temperature: float, top_k: int, top_p: float):
+    """(prefill, decode), jitted once per model and sampling options: a chat's every turn reuses
+    them (prefill compiles once per prompt length, decode once)."""
     dtype = compute_dtype(cfg.model.dtype, jax.devices()[0].platform)
     pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -126,6 +137,12 @@ def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top
     def decode(params, token_B, cache, key):
         logits_BTV, cache = nnx.merge(graphdef, params)(token_B[:, None], dtype, cache)
         return pick(logits_BTV[:, -1], key), cache
+
+    return prefill, decode
+
+
+def _generate(graphdef, params, cfg, prompt_BT, max_new_tokens, temperature, top_k, top_p, seed):
+    prefill, decode = _steps(graphdef, cfg, prompt_BT.shape[0], temperature, top_k, top_p)
 
     keys = jax.random.split(jax.random.key(seed), max_new_tokens)
     token_B, cache = prefill(params, jnp.asarray(prompt_BT, jnp.int32), keys[0])
@@ -152,13 +169,21 @@ FLAG_RANGES = {"--max-new-tokens": POSITIVE, "--num-samples": POSITIVE, "--tempe
 def _sample(argv: Sequence[str] | None) -> None:
     from jaxgpt.hf import restore_params  # restores the newest readable checkpoint on one device
 
-    parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint.")
+    parser = ArgumentParser(prog="python -m jaxgpt.sample", description="Generate text from a jaxgpt checkpoint, or "
+                                                                        "chat with a fine-tuned one (--chat).")
     parser.add_argument("run", type=path_arg, help="a run dir or its checkpoints dir (the newest checkpoint is used)")
-    parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline); <|endoftext|> in it "
-                                                       "is the document separator")
+    parser.add_argument("--prompt", default=None, help="text to continue (default: a newline); the tokenizer's "
+                                                       "special tokens in it (GPT-2's <|endoftext|>, the document "
+                                                       "separator) are read as such; with --chat: one user message, "
+                                                       "answered once")
     parser.add_argument("--prompt-file", type=path_arg, help="read the prompt from this file instead")
+    parser.add_argument("--chat", action="store_true", help="chat in the run's chat template (what it was fine-tuned "
+                        "on): an interactive loop (one line a message; an empty line or Ctrl-D ends it), or one "
+                        "turn with --prompt; each reply stops at the template's end-of-turn marker")
+    parser.add_argument("--system", help="with --chat: a system message before the conversation")
     for flag, kind, default, doc in [
-            ("--max-new-tokens", int, 200, "tokens to generate after the prompt"),
+            ("--max-new-tokens", int, 200, "tokens to generate after the prompt (with --chat: per reply, at most"
+                                           " half the context)"),
             ("--temperature", float, 0.8, "0 = greedy"),
             ("--top-k", int, 200, "0 = no top-k filter"),
             ("--top-p", float, 1.0, "nucleus sampling threshold; 1 = off"),
@@ -173,42 +198,112 @@ def _sample(argv: Sequence[str] | None) -> None:
             finite = "a finite number " if isinstance(value, float) and not math.isfinite(value) else ""
             raise UserError(f"{flag} must be {finite}{allowed}, got {value}")
     if args.prompt_file is not None:
-        if any(a == "--prompt" or a.startswith("--prompt=") for a in (sys.argv[1:] if argv is None else argv)):
+        if args.prompt is not None:
             raise UserError("give --prompt or --prompt-file, not both")
         args.prompt = files.read_text(args.prompt_file, "--prompt-file")
-    enc = gpt2_encoding()
-    # "<|endoftext|>" in a prompt is the document separator, as Hugging Face's GPT-2 tokenizer reads it
-    if not files.is_unicode(args.prompt):  # bytes that are not UTF-8 reach argv as lone surrogates
-        raise UserError("--prompt is not UTF-8 text")
-    prompt = enc.encode(args.prompt, allowed_special={EOT_TEXT}) or [enc.eot_token]
+    if args.chat and args.num_samples != 1:
+        raise UserError("--chat answers one reply at a time: leave --num-samples at 1")
+    if args.system is not None and not args.chat:
+        raise UserError("--system is a chat's system message: add --chat")
+    for flag, text in (("--prompt", args.prompt), ("--system", args.system)):
+        if text is not None and not files.is_unicode(text):  # bytes that are not UTF-8 reach argv as lone surrogates
+            raise UserError(f"{flag} is not UTF-8 text")
+    session: dict = {}
+
     def check(cfg: Config) -> None:  # before any parameter is read
-        check_fits(len(prompt), cfg)
-        check_ids_fit(max(prompt), cfg.model.vocab_size, "the prompt")
+        tok = session["tok"] = tokenizer.of_run(args.run, cfg.data.tokenizer)
+        tokenizer.check_fits_model(tok, cfg.model.vocab_size)
+        if args.chat:
+            session["template"] = ChatTemplate(tok, cfg.data.chat_template)
+        else:
+            prompt = "\n" if args.prompt is None else args.prompt
+            session["prompt"] = tok.encode_special(prompt) or [tok.separator_id]
+            check_fits(len(session["prompt"]), cfg)
         check_host_memory(cfg, args.num_samples)
 
     params, cfg, step = restore_params(args.run, check=check)
     if args.mesh:
         params, _ = shard_params(params, cfg, args.mesh)
-    prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
     graphdef, _ = abstract_model(cfg)
-    tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    options = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    if args.chat:
+        _chat(graphdef, params, cfg, session["template"], args, options)
+        return
+    tok, prompt = session["tok"], session["prompt"]
+    prompt_BT = np.tile(np.asarray(prompt, np.int32), (args.num_samples, 1))
+    tokens = generate(graphdef, params, cfg, prompt_BT, args.max_new_tokens, **options)
     print(f"# {args.run} (step {step}), {args.num_samples} sample(s) of {args.max_new_tokens} tokens", file=sys.stderr)
+    text = "\n" if args.prompt is None else args.prompt
     if args.num_samples == 1:
-        out, shown = [], ""
-        sys.stdout.write(args.prompt)
-        for token_B in tokens:
-            out.append(int(token_B[0]))
-            text = enc.decode(out)
-            if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                sys.stdout.write(text[len(shown):])
-                sys.stdout.flush()
-                shown = text
+        sys.stdout.write(text)
+        _stream(tok, (int(t[0]) for t in tokens))
         sys.stdout.write("\n")
         return
     columns = np.stack(list(tokens), axis=1)
     for i, row in enumerate(columns):
-        print(f"--- sample {i + 1}\n{args.prompt}{enc.decode(row.tolist())}")
+        print(f"--- sample {i + 1}\n{text}{tok.decode(row.tolist())}")
+
+
+def _stream(tok: tokenizer.Tokenizer, ids, stop: str | None = None, stop_ids: frozenset[int] = frozenset()) -> str:
+    """Writes the text of `ids` to stdout as it comes (a character split over tokens once whole); with
+    `stop`, up to where that text first appears, or up to a token in `stop_ids`. Returns the text written."""
+    out, shown, hold = [], "", len(stop) - 1 if stop else 0
+    for token in ids:
+        if token in stop_ids:
+            break
+        out.append(token)
+        text = tok.decode(out)
+        if text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            continue
+        if stop and (end := text.find(stop)) >= 0:
+            sys.stdout.write(text[len(shown):end])
+            return text[:end]
+        safe = text[:max(0, len(text) - hold)]  # a stop marker's start is kept back until it cannot be one
+        if len(safe) > len(shown):
+            sys.stdout.write(safe[len(shown):])
+            sys.stdout.flush()
+            shown = safe
+    text = tok.decode(out)
+    sys.stdout.write(text[len(shown):])
+    return text
+
+
+def _chat(graphdef, params, cfg: Config, template: ChatTemplate, args, options: dict) -> None:
+    """--chat: one reply to --prompt, or a conversation read line by line from stdin. Each turn the
+    whole conversation is rendered again by the template (the oldest turns dropped to fit the
+    context: ChatTemplate.prompt) and the reply is generated up to the end-of-turn marker."""
+    tok, seq = template.tok, cfg.model.seq_len
+    budget = min(args.max_new_tokens, max(1, seq // 2))
+    stop_ids = frozenset({tok.separator_id} | ({tok.specials[tok.eos]} if tok.eos in tok.specials and
+                                                 tok.eos != template.end_of_turn else set()))
+    messages = [] if args.system is None else [{"role": "system", "content": args.system}]
+    interactive = args.prompt is None
+    if interactive and sys.stdin.isatty():
+        print(f"# chatting with {args.run} ({template.origin} template); an empty line or Ctrl-D ends it", file=sys.stderr)
+    for turn in range(10**9):
+        if not interactive:
+            if turn:
+                return
+            user = args.prompt
+        else:
+            try:
+                user = input("> " if sys.stdin.isatty() else "")
+            except EOFError:
+                return
+            if not user.strip():
+                return
+        messages.append({"role": "user", "content": user})
+        try:
+            template.check(messages, need_assistant=False)
+        except BadConversation as e:
+            raise UserError(f"--chat: {e}") from None
+        ids = template.prompt(messages, seq - budget)
+        tokens = generate(graphdef, params, cfg, np.asarray([ids], np.int32), budget, **{**options, "seed":
+                                                                                          options["seed"] + turn})
+        reply = _stream(tok, (int(t[0]) for t in tokens), template.end_of_turn, stop_ids)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": reply.strip()})
 
 
 def shard_params(params: dict, cfg: Config, spec: str, command: str = "sampling") -> tuple[dict, Mesh]:

@@ -47,6 +47,16 @@ the accumulation a psum over pp adds up the partial gradients of what every stag
 (embeddings, ln_f), while a stage's own blocks need no pp reduction. The eval step runs the same
 pipeline under a `shard_map` manual over pp only.
 
+Supervised fine-tuning's loss mask
+----------------------------------
+A fine-tuning batch is a pair (tokens [B, T+1], weights [B, T]): weight 1 where the label is an
+assistant token, 0 elsewhere (jaxgpt/chat/); a pretraining batch is the tokens alone, so its
+program is the one it always was. The loss is the global sum(w * nats) / sum(w), the same on every
+layout: the step scales the weights once to a mean of 1 over the whole batch, and each part (a
+micro-batch, a dp/ep shard, a pipeline stage's rows) adds its mean of w * nats over its positions
+(`token_loss`), which the reductions above average like the unmasked loss. The fused loss gives a
+position of weight 0 exactly zero gradient (jaxgpt/lowering/loss.py).
+
 Evaluation returns sums, not only the mean: the cross-entropy of every val position and, for bits
 per byte, the nats and UTF-8 bytes of the positions whose label is text (`val_sums`); every stage
 sums the rows whose head it computes and a psum over pp adds them.
@@ -64,6 +74,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxgpt import tokenizer
 from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
 from jaxgpt.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
 from jaxgpt.lowering import Lowering, choose
@@ -75,7 +86,6 @@ from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
 from jaxgpt.parallel.context import balanced_ways, to_window_order
 from jaxgpt.parallel.mesh import named, shard
-from jaxgpt.tokenizer import token_bytes
 
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # what an MoE model adds to the train metrics
 DOCUMENT_METRICS = ("docs_per_window", "masked_pairs")  # what model.document_mask adds (model/documents.py)
@@ -83,7 +93,33 @@ DOCUMENT_METRICS = ("docs_per_window", "masked_pairs")  # what model.document_ma
 
 def _document_metrics(batch_BT1: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
     """model.document_mask's window statistics of the inputs (documents.window_stats); {} without it."""
-    return window_stats(batch_BT1[:, :-1]) if cfg.document_mask else {}
+    return window_stats(batch_BT1[:, :-1], cfg.document_token) if cfg.document_mask else {}
+
+
+def split_batch(batch) -> tuple[jax.Array, jax.Array | None]:
+    """(tokens [B, T+1], loss weights [B, T] or None) of a batch: a pretraining batch is its tokens,
+    a fine-tuning one the pair (module docstring)."""
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
+
+
+def token_loss(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, weights_BT: jax.Array | None,
+               dtype: jnp.dtype) -> jax.Array:
+    """The cross-entropy of these rows as the step averages it: the mean over their positions, or
+    with weights (scaled by the step to a mean of 1 over the whole batch) the mean of w * nats."""
+    if weights_BT is None:
+        return model.loss(x_BTD, labels_BT, dtype)
+    share = jnp.sum(weights_BT.astype(jnp.float32)) / weights_BT.size  # sum(w * nats) / sum(w), times this
+    return model.loss(x_BTD, labels_BT, dtype, weights_BT) * share
+
+
+def normalized_weights(batch):
+    """A fine-tuning batch with its weights scaled to a mean of 1 (all zero stays zero); a
+    pretraining batch as it is."""
+    tokens_BT1, w_BT = split_batch(batch)
+    if w_BT is None:
+        return batch
+    total = jnp.sum(w_BT.astype(jnp.float32))
+    return tokens_BT1, w_BT.astype(jnp.float32) * (w_BT.size / jnp.where(total > 0, total, 1.0))
 
 
 class TrainState(NamedTuple):
@@ -171,33 +207,35 @@ def abstract_state(cfg: Config, setup: Setup) -> TrainState:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, setup.shardings)
 
 
-def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
-            dtype: jnp.dtype) -> jax.Array:
-    """Mean next-token cross-entropy (fp32) of windows [B, T+1], the head applied a chunk at a time."""
-    return objective_fn(params, graphdef, batch_BT1, cfg, dtype)[1]["loss"]
+def loss_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1, cfg: ModelConfig, dtype: jnp.dtype) -> jax.Array:
+    """Mean next-token cross-entropy (fp32) of windows [B, T+1] (or, a fine-tuning batch, the
+    weighted mean), the head applied a chunk at a time."""
+    return objective_fn(params, graphdef, normalized_weights(batch_BT1), cfg, dtype)[1]["loss"]
 
 
-def objective_fn(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: ModelConfig,
+def objective_fn(params: dict, graphdef: nnx.GraphDef, batch, cfg: ModelConfig,
                  dtype: jnp.dtype) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(objective, metrics) of windows [B, T+1]. The objective is the mean next-token cross-entropy
     (fp32, the head applied a chunk at a time), plus for an MoE model the weighted load-balancing
     and router z-losses; metrics['loss'] is the cross-entropy alone (comparable with val_loss and
     dense runs), and an MoE model adds moe_aux_loss, moe_z_loss, moe_dropped and moe_load, each
-    MoE layer's share of assignments per expert [G, E] (jaxgpt/model/moe.py)."""
+    MoE layer's share of assignments per expert [G, E] (jaxgpt/model/moe.py). A fine-tuning batch
+    (tokens, weights) weighs each position's cross-entropy (`token_loss`)."""
     model = nnx.merge(graphdef, params)
+    batch_BT1, weights_BT = split_batch(batch)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
-        loss = model.loss(x_BTD, batch_BT1[:, 1:], dtype)
+        loss = token_loss(model, x_BTD, batch_BT1[:, 1:], weights_BT, dtype)
         return loss, {"loss": loss, **_document_metrics(batch_BT1, cfg)}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
-    loss = model.loss(x_BTD, batch_BT1[:, 1:], dtype)
+    loss = token_loss(model, x_BTD, batch_BT1[:, 1:], weights_BT, dtype)
     aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0  # bias: the aux loss is only logged
     objective = loss + aux_coef * stats.aux + cfg.moe_z_coef * stats.z
     return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load,
                        **_document_metrics(batch_BT1, cfg)}
 
 
-def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
+def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch, cfg: Config, dtype: jnp.dtype,
                        stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """objective_fn for one pipeline stage, inside a shard_map manual over pp (jaxgpt/parallel/pipeline.py):
@@ -205,10 +243,10 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Arra
     metrics (the loss of the M/pp micro-batches whose head it computes, scaled by 1/pp; an MoE
     model's losses of its own chunks): the psum over pp is objective_fn's value.
     `block_axes`: the blocks' logical axes, for pipeline.gather_once."""
-    x_BTD, labels_BT, stats = pipeline_features(params, graphdef, batch_BT1, cfg, dtype, stages, microbatches,
-                                                block_axes, bubble_fill)
-    m = cfg.model
-    loss = nnx.merge(graphdef, params).loss(x_BTD, labels_BT, dtype) / stages
+    x_BTD, labels_BT, weights_BT, stats = pipeline_features(params, graphdef, batch, cfg, dtype, stages,
+                                                            microbatches, block_axes, bubble_fill)
+    m, batch_BT1 = cfg.model, split_batch(batch)[0]
+    loss = token_loss(nnx.merge(graphdef, params), x_BTD, labels_BT, weights_BT, dtype) / stages
     # every stage holds the whole batch: its share of the psum over pp, as the loss's
     metrics = {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, m).items()}}
     if stats is None:
@@ -223,10 +261,11 @@ def stack_key(cfg: ModelConfig) -> str:
     return "groups" if cfg.moe_experts else "blocks"
 
 
-def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array, cfg: Config, dtype: jnp.dtype,
+def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch, cfg: Config, dtype: jnp.dtype,
                       stages: int, microbatches: int, block_axes: dict, bubble_fill: float = 0.0
-                      ) -> tuple[jax.Array, jax.Array, MoEStats | None]:
-    """(final features [rows, T, D], their labels [rows, T], an MoE model's MoEStats share or None)
+                      ) -> tuple[jax.Array, jax.Array, jax.Array | None, MoEStats | None]:
+    """(final features [rows, T, D], their labels [rows, T], a fine-tuning batch's weights [rows, T]
+    or None, an MoE model's MoEStats share or None)
     of the rows whose head this stage computes (its M/pp micro-batches), as pipeline_objective's
     loss takes them. The MoE share is this stage's chunks' statistics, summed over the micro-batches
     and scaled so that its psum over pp is objective_fn's mean over every MoE block and sequence:
@@ -237,6 +276,7 @@ def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array
         whole = lambda x, axes: shard(x, *(None if a == "embed" else a for a in axes))  # noqa: E731
         params = {**params, key: jax.tree.map(whole, params[key], block_axes)}
     model = nnx.merge(graphdef, params)
+    batch_BT1, weights_BT = split_batch(batch)
     B, T1 = batch_BT1.shape
     # Micro-batch m holds rows m, m+M, ...: a reshape of the sharded batch axis, as in summed_grads.
     x_MbTD = model.embed(batch_BT1[:, :-1], dtype).reshape(B // M, M, T1 - 1, -1).swapaxes(0, 1)
@@ -256,11 +296,15 @@ def pipeline_features(params: dict, graphdef: nnx.GraphDef, batch_BT1: jax.Array
     y_MbTD, totals = pipeline.run(run_chunk, params[key], x_MbTD, S, R, bubble_fill,
                                   REMAT_POLICIES.get(cfg.model.remat), totals)
     y_nbTD = pipeline.scatter_outputs(y_MbTD)
-    labels_nbT = pipeline.my_share(batch_BT1[:, 1:].reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
+    def mine(a_BT: jax.Array) -> jax.Array:  # this stage's rows of labels or weights, as its features'
+        a_nbT = pipeline.my_share(a_BT.reshape(B // M, M, T1 - 1).swapaxes(0, 1), S)
+        return a_nbT.swapaxes(0, 1).reshape(-1, a_nbT.shape[-1])
+
     # Back to [rows, T, ...] with the (sharded) b axis outermost, as the chunked loss expects.
     y_nbTD = to_window_order(y_nbTD, balanced_ways(T1 - 1), axis=2)  # from context parallelism's order, if any
     x_BTD = model.ln_f(y_nbTD.swapaxes(0, 1).reshape(-1, *y_nbTD.shape[2:]))
-    return x_BTD, labels_nbT.swapaxes(0, 1).reshape(-1, labels_nbT.shape[-1]), totals if E else None
+    return (x_BTD, mine(batch_BT1[:, 1:]), None if weights_BT is None else mine(weights_BT),
+            totals if E else None)
 
 
 class Layout(NamedTuple):
@@ -318,19 +362,19 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     once = ops.copies_once(bool(m.moe_experts))
     in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
 
-    def metrics_and_grads(params, bias, batch_BT1, copies=None, tables=None):
-        grads, metrics = grad_fn(params, bias, (copies, tables), setup.graphdef, batch_BT1)
+    def metrics_and_grads(params, bias, batch, copies=None, tables=None):
+        grads, metrics = grad_fn(params, bias, (copies, tables), setup.graphdef, batch)
         return metrics, grads
 
-    def summed_grads(params: dict, bias, batch_BT1: jax.Array, vary=lambda zeros: zeros) -> tuple[dict, dict]:
-        """(metrics, grads) summed over the A micro-batches of `batch_BT1`; `vary` gives the zero
+    def summed_grads(params: dict, bias, batch, vary=lambda zeros: zeros) -> tuple[dict, dict]:
+        """(metrics, grads) summed over the A micro-batches of `batch`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
         copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], ops, dtype, in_gemm) if once else None
         tables = table_copies(params, ops, dtype)
         if A == 1:
-            return metrics_and_grads(params, bias, batch_BT1, copies, tables)
-        B, T1 = batch_BT1.shape
-        micro_ABT1 = batch_BT1.reshape(B // A, A, T1).swapaxes(0, 1)
+            return metrics_and_grads(params, bias, batch, copies, tables)
+        B = split_batch(batch)[0].shape[0]
+        micro_ABT1 = jax.tree.map(lambda x: x.reshape(B // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
         # The gradients of the weights whose GEMMs write them in fp32 (the *Fp32Grad copies) are summed
         # per GEMM (per layer, and per q, k and v where those are GEMMs of their own), stacked once
         # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy; grads_in_gemm).
@@ -352,9 +396,9 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
             grads = {**grads, "blocks": from_gemm_pieces(grads["blocks"], axes)}
         return metrics, grads
 
-    def mean_grads(params: dict, bias, batch_BT1: jax.Array) -> tuple[dict, dict]:
+    def mean_grads(params: dict, bias, batch) -> tuple[dict, dict]:
         if not layout.manual:
-            return jax.tree.map(lambda x: x / A, summed_grads(params, bias, batch_BT1))
+            return jax.tree.map(lambda x: x / A, summed_grads(params, bias, batch))
         specs, bias_spec = split_balance(layout.param_specs)
 
         def per_shard(params, bias, local_BT1):
@@ -385,14 +429,14 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
         batch_axes = tuple(a for a in ("dp", "ep") if a in layout.manual)
         metrics, grads = jax.shard_map(
             per_shard, mesh=mesh, in_specs=(specs, P() if bias is None else bias_spec, P(batch_axes) if batch_axes else P()),
-            out_specs=(P(), specs), axis_names=set(layout.manual))(params, bias, batch_BT1)
+            out_specs=(P(), specs), axis_names=set(layout.manual))(params, bias, batch)
         if S > 1:
             grads = {**grads, key: pipeline.from_stage_major(grads[key], S, R)}
         return metrics, grads
 
-    def train_step(state: TrainState, batch_BT1: jax.Array):
+    def train_step(state: TrainState, batch):
         trainable, bias = split_balance(state.params)
-        metrics, grads = mean_grads(trainable, bias, batch_BT1)
+        metrics, grads = mean_grads(trainable, bias, normalized_weights(batch))
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = setup.optimizer.update(grads, state.opt_state, trainable)
         params = optax.apply_updates(trainable, updates)
@@ -410,45 +454,61 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                    out_shardings=(setup.shardings, replicated), donate_argnums=0)
 
 
-def val_sums(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, bytes_V: jax.Array,
-             dtype: jnp.dtype) -> dict[str, jax.Array]:
+def val_sums(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, bytes_V: jax.Array, dtype: jnp.dtype,
+             weights_BT: jax.Array | None = None) -> dict[str, jax.Array]:
     """What one val batch adds up: `nats` (cross-entropy summed over every position), and for bits
     per byte `text_nats` and `text_bytes`, the same sum and the UTF-8 bytes over the positions whose
-    label is text (bytes_V > 0; `<|endoftext|>` is a boundary, not text), as nanochat counts them."""
+    label is text (bytes_V > 0; `<|endoftext|>` is a boundary, not text), as nanochat counts them.
+    With a fine-tuning batch's weights: each position's nats weighted, `weight` their sum, and only
+    the weighted positions' text counted."""
     nats_BT = model.token_nats(x_BTD, labels_BT, dtype)
     bytes_BT = bytes_V[labels_BT]
-    return {"nats": jnp.sum(nats_BT), "text_nats": jnp.sum(jnp.where(bytes_BT > 0, nats_BT, 0.0)),
-            "text_bytes": jnp.sum(bytes_BT)}
+    if weights_BT is None:
+        return {"nats": jnp.sum(nats_BT), "text_nats": jnp.sum(jnp.where(bytes_BT > 0, nats_BT, 0.0)),
+                "text_bytes": jnp.sum(bytes_BT)}
+    w_BT = weights_BT.astype(jnp.float32)
+    bytes_BT = jnp.where(w_BT > 0, bytes_BT, 0)
+    return {"nats": jnp.sum(w_BT * nats_BT), "weight": jnp.sum(w_BT),
+            "text_nats": jnp.sum(jnp.where(bytes_BT > 0, w_BT * nats_BT, 0.0)), "text_bytes": jnp.sum(bytes_BT)}
 
 
 def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
-    """(params, batch [B, T+1]) -> {'loss': mean cross-entropy (no MoE auxiliary losses), 'text_nats',
-    'text_bytes'} (see val_sums), replicated; under pp through the same pipeline as training."""
+    """(params, batch [B, T+1] or a fine-tuning batch (tokens, weights)) -> {'loss': mean
+    cross-entropy (no MoE auxiliary losses; fine-tuning: the weighted mean), 'text_nats',
+    'text_bytes'} (see val_sums, the bytes of data.tokenizer's tokens), replicated; under pp through
+    the same pipeline as training."""
     dtype = jnp.dtype(setup.ops.dtype)
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
-    table = token_bytes(cfg.model.padded_vocab)
+    table = tokenizer.load(cfg.data.tokenizer).token_bytes(cfg.model.padded_vocab)
     replicated = NamedSharding(mesh, P())
     bytes_V = jax.make_array_from_callback(table.shape, replicated, lambda index: table[index])  # once, any host count
 
-    def sums(params, batch_BT1, bytes_V):
+    def sums(params, batch, bytes_V):
         if S == 1:
+            batch_BT1, weights_BT = split_batch(batch)
             model = nnx.merge(setup.graphdef, params)
-            return val_sums(model, model(batch_BT1[:, :-1], dtype, features_only=True), batch_BT1[:, 1:], bytes_V, dtype)
+            return val_sums(model, model(batch_BT1[:, :-1], dtype, features_only=True), batch_BT1[:, 1:], bytes_V,
+                            dtype, weights_BT)
         layout, key = manual_layout(cfg, mesh, setup), stack_key(cfg.model)
 
-        def per_stage(params, batch_BT1, bytes_V):  # each stage sums the rows whose head it computes
-            x_BTD, labels_BT, _ = pipeline_features(params, setup.graphdef, batch_BT1, cfg, dtype, S,
-                                                    layout.microbatches, setup.logical_axes[key])
-            return jax.lax.psum(val_sums(nnx.merge(setup.graphdef, params), x_BTD, labels_BT, bytes_V, dtype), "pp")
+        def per_stage(params, batch, bytes_V):  # each stage sums the rows whose head it computes
+            x_BTD, labels_BT, weights_BT, _ = pipeline_features(params, setup.graphdef, batch, cfg, dtype, S,
+                                                                layout.microbatches, setup.logical_axes[key])
+            return jax.lax.psum(val_sums(nnx.merge(setup.graphdef, params), x_BTD, labels_BT, bytes_V, dtype,
+                                         weights_BT), "pp")
 
         params = {**params, key: pipeline.to_stage_major(params[key], S, R)}
         return jax.shard_map(per_stage, mesh=mesh, in_specs=(layout.param_specs, P(), P()), out_specs=P(),
-                             axis_names={"pp"})(params, batch_BT1, bytes_V)
+                             axis_names={"pp"})(params, batch, bytes_V)
 
-    def evaluate(params, batch_BT1, bytes_V):
-        out = sums(params, batch_BT1, bytes_V)
+    def evaluate(params, batch, bytes_V):
+        out = sums(params, batch, bytes_V)
+        if "weight" in out:  # fine-tuning: the weighted mean (0 for a batch without assistant tokens)
+            weight = out.pop("weight")
+            return {"loss": out.pop("nats") / jnp.where(weight > 0, weight, 1.0), **out}
+        batch_BT1 = split_batch(batch)[0]
         return {"loss": out.pop("nats") / (batch_BT1.shape[0] * (batch_BT1.shape[1] - 1)), **out}
 
     step = jax.jit(evaluate, in_shardings=(setup.shardings.params, named(mesh, ("batch", None)), replicated),
                    out_shardings=replicated)
-    return lambda params, batch_BT1: step(params, batch_BT1, bytes_V)
+    return lambda params, batch: step(params, batch, bytes_V)

@@ -333,4 +333,5 @@ def run_info(cfg: Config, run_dir: Path, sizes: dict[str, int], devices: list[ja
             "attention": kernel, "attention_reason": kernel_reason, "params": params,
             "peak_flops_per_device": peak, "config": str((Path(run_dir) / "config.yaml").absolute()),
             "command": sys.argv, "host": socket.gethostname(), "jax": jax.__version__,
-            "data": cfg.data.mix or cfg.data.path, "data_sources": describe_sources(cfg.data.path, cfg.data.mix)}
+            "data": cfg.data.chat or cfg.data.mix or cfg.data.path,
+            "data_sources": describe_sources(cfg.data.path, cfg.data.mix, cfg.data.chat, cfg.data.tokenizer)}

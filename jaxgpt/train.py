@@ -53,7 +53,7 @@ import jax
 import numpy as np
 import yaml
 
-from jaxgpt import allocator, data, files, hf
+from jaxgpt import allocator, data, files, hf, tokenizer
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.cli import ArgumentParser, Diverged, Preempted, StepFailed, environment_failure, path_arg, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
@@ -163,6 +163,7 @@ def train(cfg: Config, run_dir: Path, devices: Sequence[jax.Device] | None = Non
     sizes = validate(cfg, len(devices))
     hf.check_init_from_hf(cfg)
     check_run_dir(run_dir)
+    tokenizer.for_run(cfg, run_dir)  # data.tokenizer: a tokenizer, this run's and its source's
     require_wandb(cfg.logging)
     layout_error = distributed.mesh_layout_error(sizes["tp"], cfg.mesh.allow_tp_across_hosts)
     if layout_error:
@@ -181,9 +182,11 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
     # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,
     # written by process 0, read by all) spare a resumed run from reading unchanged files again.
     verified = run_dir / "data-verified.json"
-    train_tokens, val_tokens, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, cache=verified)
+    run_data = data.open_run_data(cfg, cache=verified)  # prepared dirs, or data.chat's conversations
+    train_tokens, val_tokens, data_vocab = run_data.train, run_data.val, run_data.vocab_size
     validate(cfg, len(devices), data_vocab)
-    tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit)  # read and checked before compiling
+    tasks = load_tasks(cfg.eval.tasks, cfg.model.seq_len, cfg.eval.task_limit,  # read and checked before compiling
+                       tok=tokenizer.load(cfg.data.tokenizer))
     cfg, remat_why, memory = resolve_remat(cfg, devices)  # model.remat=auto: a GPU's limit, a CPU's share of the host
     # model.fp8=auto: the linears the step-time model predicts faster in fp8 on this GPU (none on a CPU)
     cfg, fp8_rows, fp8_why = fp8_choice.resolve(cfg, sizes, fp8_choice.target_of(devices[0]))
@@ -202,8 +205,9 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
         val_batches = data.eval_batches(val_tokens, seq_len=m.seq_len, global_batch=t.batch_size,
                                         num_batches=t.eval_batches, process_index=block, process_count=blocks)
 
-    def to_global(local_BT1: np.ndarray) -> jax.Array:
-        return jax.make_array_from_process_local_data(batch_sharding, local_BT1, global_shape)
+    def to_global(local_BT1):  # tokens [B, T+1], or a fine-tuning batch (tokens, weights [B, T])
+        return jax.tree.map(lambda x: jax.make_array_from_process_local_data(
+            batch_sharding, x, (t.batch_size, *x.shape[1:])), local_BT1)
 
     stop = StopRequest()  # from here SIGTERM or Ctrl-C stops the run after its first step, compiling included
     try:
@@ -233,6 +237,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                 if start < cfg.train.steps:  # a finished run keeps the config that trained it
                     files.write_text_atomically(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
                 integrity.remember(verified)  # the shard verdicts, for the next session
+                tokenizer.keep(run_dir, tokenizer.load(cfg.data.tokenizer))  # sample and export read it there
                 _trim_metrics(track.log.path, start if resumed_from is not None else None)
                 layout = ",".join(f"{a}={s}" for a, s in sizes.items())
                 active = f" ({param_count(m, active=True) / 1e6:.1f}M active)" if m.moe_experts else ""
@@ -241,6 +246,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{_fp8_matmuls(m)} | attention {kernel} ({why}) | remat {m.remat} "
                       f"({remat_why}) | ops {setup.ops.described}", flush=True)
+                if run_data.note:
+                    print(run_data.note, flush=True)
                 if fp8_why:
                     print("\n".join([fp8_why, *fp8_choice.format_choices(fp8_rows)]), flush=True)
                 if devices[0].platform == "cpu":

@@ -119,3 +119,68 @@ def script_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# --- tokenizers built here (tokenizers' BPE trainer on the bundled text: no download) ------------------
+
+QWEN_TEMPLATE = (  # ChatML as Qwen3 writes it: the last assistant turn (and, not thinking, the prompt) with an empty think block
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role in ['system', 'user', 'assistant'] %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- raise_exception('Unknown role: ' + message.role) }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+UNICODE = ["héllo wörld ☃ 🤖 日本語 עברית Ελληνικά", "naïve café — “quotes” ‘and’ … ellipsis", "e\u0301 \u00a0 \u3000 ß"]
+
+
+def _bpe_corpus() -> list[str]:
+    text = (REPO / "jaxgpt" / "assets" / "tinyshakespeare.txt").read_text()[:200_000]
+    return [text[i:i + 2000] for i in range(0, len(text), 2000)] + UNICODE * 20
+
+
+def qwen_tokenizer(directory: Path, merges: int = 128) -> Path:
+    """A Qwen-shaped tokenizer.json (byte-level BPE, 256 + `merges` tokens, then <|endoftext|>,
+    <|im_start|>, <|im_end|> as Qwen numbers them after its vocabulary) with a tokenizer_config.json
+    holding a Qwen3-style chat template; returns the directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256 + merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_bpe_corpus(), trainer)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": QWEN_TEMPLATE}))
+    return directory
+
+
+def llama3_tokenizer(path: Path, merges: int = 128) -> Path:
+    """A Llama-3-shaped tiktoken BPE file (base64 token, rank), its ranks a BPE trained with
+    Llama 3's split pattern; jaxgpt adds Llama 3's 256 special tokens after them. Returns the file."""
+    import base64
+
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    from jaxgpt.tokenizer import LLAMA3_PATTERN, byte_to_char
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=256 + merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_bpe_corpus(), trainer)
+    to_byte = {c: b for b, c in enumerate(byte_to_char())}
+    vocab = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{base64.b64encode(bytes(to_byte[c] for c in s)).decode()} {i}\n" for s, i in vocab))
+    return path

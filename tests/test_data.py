@@ -234,8 +234,8 @@ def test_bad_data_dirs_raise_helpful_user_errors(tmp_path):
         data.load_split(empty, "val")
 
     other_vocab = write_prepared(tmp_path / "other", [1, 2], [3], tokenizer_sha256="0" * 64)
-    with pytest.raises(UserError, match="another vocabulary"):
-        data.resolve_data_dir(str(other_vocab))
+    with pytest.raises(UserError, match="was tokenized with another tokenizer .* than this run's data.tokenizer=gpt2"):
+        data.open_splits(str(other_vocab))
 
 
 def test_too_little_data_or_bad_batch_raise_user_errors(tmp_path):

@@ -860,7 +860,7 @@ def test_plan_command_for_8_h100():
     assert "attention: cudnn" in out and "fused attention calls: 1 forward, 1 backward" in out
     assert "GEMM calls: 12 fp8, 3 other\n" in out  # the blocks' 4 forward + 8 backward; the head's 3
     assert "remat: none (auto: none, the least recompute that fits 79.1 GiB" in out
-    assert f"{device_memory_bytes('h100') / 2**20:,.1f}   fits" in out
+    assert f"of {device_memory_bytes('h100') / 2**20:,.1f} MiB: fits" in out
     assert "reduce-scatter" in out
 
 

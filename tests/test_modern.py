@@ -159,7 +159,7 @@ def test_defaults_are_gpt2_and_counts_match_the_tree():
 @pytest.mark.parametrize("overrides, mesh, message", [
     (["model.n_kv_head=3"], "dp=1", "model.n_kv_head=3 must divide model.n_head=4"),
     (["model.n_kv_head=2"], "dp=2,tp=4", "model.n_kv_head=2 is not divisible by the tp axis (4)"),
-    (["model.n_head=8", "model.n_embd=24", "model.position=rope"], "dp=1", "head dim n_embd / n_head = 3 is odd"),
+    (["model.n_head=8", "model.n_embd=24", "model.position=rope"], "dp=1", "the head dim (model.head_size, or n_embd / n_head) = 3 is odd"),
     (["model.mlp_hidden=101"], "dp=4,tp=2", "the MLP width (101)"),
 ])
 def test_impossible_combinations_are_one_line(overrides, mesh, message):

@@ -14,7 +14,7 @@ from helpers import REPO, TINY, run_cli, tiny_config
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.hlo import collective_bytes, collective_ops, gemm_counts, wire_bytes
 from jaxgpt.model import param_count
-from jaxgpt.plan import plan
+from jaxgpt.plan import format_plan, plan
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,18 @@ def test_plan_command_fakes_devices_and_warns_when_it_does_not_fit():
     assert proc.returncode == 0, proc.stderr
     assert "on 2 cpu devices" in proc.stdout
     assert "this would not fit" in proc.stdout and "this would not fit" in proc.stderr
+    # issue 59 item 4: the need and the capacity in one line, not the capacity alone beside a verdict
+    total = next(line for line in proc.stdout.splitlines() if line.strip().startswith("total")).split()[-1]
+    assert f"memory per device: needs {total} of 1.0 MiB: this would not fit" in proc.stdout.splitlines(), proc.stdout
+
+
+def test_the_memory_line_says_what_the_step_needs_of_what_a_device_has(plans):
+    """Issue 59 item 4: `needs X of Y MiB: fits`, where Y (the device's) used to stand alone."""
+    p = dict(plans["dp=8"], device_memory_bytes=80 * 2**30)
+    p["fits"] = p["memory"]["peak"] <= p["device_memory_bytes"]
+    lines = format_plan(p, "tiny", tiny_config(mesh="dp=8")).splitlines()
+    assert f"memory per device: needs {p['memory']['peak'] / 2**20:,.1f} of 81,920.0 MiB: fits" in lines
+    assert not any(line.startswith("device memory") for line in lines)
 
 
 def test_plan_command_bad_mesh_is_one_line():

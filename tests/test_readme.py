@@ -1,5 +1,9 @@
-"""Issue 39: every speed, memory or GPU figure the README gives points at the docs/benchmarks.md
-section that measured it, and every such link lands on a heading that exists.
+"""Issue 39: every speed, memory or GPU figure the README or a guide in docs/ gives points at the
+docs/benchmarks.md table that holds it, and every such link lands on a heading that exists.
+Issue 62: every relative link of the README and the guides reaches a file, and a heading where it
+names one. Issue 59 item 3: where the docs copy a list or a figure the program or the tables make
+(the remat policies `plan --search` tries, `model.remat=auto`'s order, the suite's last time), the
+copy is compared with its source.
 
 A mechanical check, not a review of the prose. The README is cut into blocks as Markdown renders
 them: a paragraph, a list item (with its continuation lines), a table row, a heading; fenced code
@@ -16,7 +20,15 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+import pytest
 from helpers import REPO
+
+from jaxgpt.config import all_keys
+from jaxgpt.gpu import search
+from jaxgpt.model import remat
+
+# The guides: every docs/*.md but the tables themselves, design.md and the generated reference
+GUIDES = sorted(p.name for p in (REPO / "docs").glob("*.md") if p.name not in ("benchmarks.md", "config.md", "design.md"))
 
 FIGURE = re.compile("|".join([
     r"\d[\d,.]*\+?(?:\s*\([^)]*\))?\s*(?:k|M)?\s*tokens/s",     # 3,100 tokens/s, 3,900 (Intel Xeon) tokens/s
@@ -28,7 +40,7 @@ FIGURE = re.compile("|".join([
     r"\d+\.\d+(?:-\d+\.\d+)?\s*s\b|\d+\s+minutes\b",            # 8.5 s, 0.6-1.1 s, 10 minutes (not "60 s")
     r"\bmeasured (?:on|at)\b",
 ]), re.IGNORECASE)
-LINK = re.compile(r"docs/benchmarks\.md#([^)\s\"'>]*)")
+LINK = re.compile(r"(?<![\w/.])(?:docs/)?benchmarks\.md#([^)\s\"'>]*)")  # from README.md or from docs/
 
 
 def slug(heading: str) -> str:
@@ -77,25 +89,89 @@ def blocks(markdown: str) -> list[tuple[int, str]]:
     return [(number, " ".join(lines)) for number, lines in out]
 
 
-def unlinked_figures(readme: str, known: set[str]) -> list[str]:
+def unlinked_figures(readme: str, known: set[str], name: str = "README.md") -> list[str]:
     problems = []
     for number, text in blocks(readme):
         targets = LINK.findall(text)
-        problems += [f"README.md:{number}: docs/benchmarks.md#{a} names no heading there" for a in targets
+        problems += [f"{name}:{number}: docs/benchmarks.md#{a} names no heading there" for a in targets
                      if a not in known]
         figure = FIGURE.search(text)
         if figure and not targets:
-            problems.append(f"README.md:{number}: {figure.group(0)!r} without a docs/benchmarks.md#section link: "
+            problems.append(f"{name}:{number}: {figure.group(0)!r} without a docs/benchmarks.md#section link: "
                             f"{text[:100]}...")
     return problems
 
 
-def test_readme_figures_link_the_benchmarks_that_measured_them():
-    readme = (REPO / "README.md").read_text()
+@pytest.mark.parametrize("name", ["README.md", *GUIDES])
+def test_figures_link_the_benchmarks_tables(name):
+    path = REPO / name if name == "README.md" else REPO / "docs" / name
     known = anchors((REPO / "docs" / "benchmarks.md").read_text())
-    assert len(known) > 30
-    problems = unlinked_figures(readme, known)
+    assert len(known) > 10
+    problems = unlinked_figures(path.read_text(), known, name)
     assert not problems, "\n".join(problems)
+
+
+MD_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("name", ["README.md", *GUIDES, "benchmarks.md"])
+def test_relative_links_reach_a_file_and_a_heading(name):
+    """Every [text](path) and [text](path#anchor) that is not a web address resolves from the file's
+    directory, and the anchor is one of the target's headings (the guides link each other by section)."""
+    path = REPO / name if name == "README.md" else REPO / "docs" / name
+    problems = []
+    for number, line in enumerate(_without_code(path.read_text()).splitlines(), 1):
+        for target in MD_LINK.findall(line):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = (path.parent / file).resolve() if file else path
+            if not resolved.exists():
+                problems.append(f"{name}:{number}: {target}: no such file")
+            elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved.read_text())):
+                problems.append(f"{name}:{number}: {target}: no such heading")
+    assert not problems, "\n".join(problems)
+
+
+def _listed(text: str) -> list[str]:
+    """'none, dots, attention or full' -> the names, in order (backticks and commas dropped)."""
+    return [w for w in re.split(r",\s*|\s+or\s+|\s+and\s+|\|", text.replace("`", "").strip()) if w]
+
+
+def test_the_remat_lists_in_the_docs_are_the_programs():
+    """Issue 59 item 3: the README said `plan --search` tries none, dots and full when it also tries
+    attention, and that auto tries none, dots, dots_no_batch and full: the copies are read here
+    and compared with the tuples the code iterates."""
+    gpus = (REPO / "docs" / "gpus.md").read_text().replace("\n", " ")
+    tried = re.search(r"each with `model\.remat` (.+?) and every `train\.grad_accum`", gpus)
+    assert tried, "gpus.md no longer says which remat policies plan --search tries"
+    assert _listed(tried.group(1)) == list(search.REMATS)
+    auto = re.search(r"`model\.remat=auto` \(also in training\) compiles the step with each remat\s+policy from "
+                     r"least to most recompute \(([^)]*)\)", gpus)
+    assert auto, "gpus.md no longer lists model.remat=auto's order"
+    assert _listed(auto.group(1)) == list(remat.ORDER)
+    choices = re.search(r"`model\.remat=([a-z_|]+)`", gpus)
+    assert sorted(_listed(choices.group(1))) == sorted(all_keys()["model.remat"].metadata["choices"])
+
+
+SUITE = re.compile(r"(\d[\d,]*) passed, (\d+) skipped in ([\d,.]+) s\b")
+
+
+def test_the_readmes_suite_figure_is_the_latest_in_the_tables():
+    """Issue 59 item 3: the README's test count and time (it said '535 tests took 16 to 28 minutes' for
+    a suite of 575) is the newest row of benchmarks.md's suite table: same count, time, commit, date."""
+    readme = (REPO / "README.md").read_text()
+    quick = readme[readme.index("## Quick start"):readme.index("\n## ", readme.index("## Quick start") + 5)]
+    quick = " ".join(quick.split())
+    said = SUITE.findall(quick)
+    assert len(said) == 1, f"the Quick start should give one suite figure: {said}"
+    tables = (REPO / "docs" / "benchmarks.md").read_text()
+    section = tables[tables.index("## The test suite"):]
+    row = next(line for line in section.splitlines() if re.match(r"\| \d{4}-\d\d-\d\d \|", line))
+    date, commit, result, tests = [c.strip() for c in row.strip("|").split("|")][:4]
+    passed, skipped = re.fullmatch(r"([\d,]+) passed, (\d+) skipped", result).groups()
+    assert said[0] == (passed, skipped, tests.removesuffix(" s")), (said, row)
+    assert f"at {commit}" in quick and date in quick, (commit, date)
 
 
 def test_the_link_check_catches_what_it_should():

@@ -4,6 +4,7 @@ cache), and the top 3 layouts each training a step on the 8 fake CPU devices."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import signal
@@ -12,6 +13,7 @@ import pytest
 from helpers import TINY, tiny_config, train_losses
 
 from jaxgpt import plan
+from jaxgpt.cli import EXIT_INTERRUPTED, run_main
 from jaxgpt.config import validate
 from jaxgpt.gpu import search
 from jaxgpt.gpu.target import INSTALL, compile_only_devices, plugin_missing_reason
@@ -82,6 +84,43 @@ def test_ctrl_c_keeps_the_ranking_so_far(searched):
     result = search.search(tiny_config(), 8, "h100", interrupted_plan, compile_top=TOP + 1, cache=cache)
     assert result["interrupted"] and [c.key() for c, _ in result["ranked"]] == [c.key() for c, _ in first["ranked"]]
     assert "interrupted: the ranking of what was compiled" in search.format_search(result, "tiny", "h100", 8, None, [])
+
+
+@needs_plugin
+def test_ctrl_c_ends_with_a_line_for_the_search(searched, tmp_path, monkeypatch, capfd):
+    """Issue 59 item 2: after the ranking, the last line says the compile in progress was dropped and
+    that the same command goes on from the cached compiles, not training's 'resumes from its newest
+    checkpoint'; exit 130. A real SIGINT during the 4th compile, through the command's run_main."""
+    first, _, cache, devices = searched
+    monkeypatch.setenv("JAXGPT_CACHE", str(tmp_path))
+    (tmp_path / "plan-search").symlink_to(cache)  # the 3 cached compiles of the fixture
+
+    def interrupted_plan(cfg):
+        os.kill(os.getpid(), signal.SIGINT)
+        return plan.plan(cfg, devices, None, "h100")
+    args = argparse.Namespace(target="h100", gpus_per_node=None, compile_top=TOP + 1, config=None, overrides=TINY,
+                              json=None)
+    assert run_main(lambda argv: search.run(args, 8, interrupted_plan, tiny_config(), None)) == EXIT_INTERRUPTED
+    out, err = capfd.readouterr()
+    assert "interrupted: the ranking of what was compiled" in out and out.count("\n -  ") == 0
+    last = err.strip().splitlines()[-1]
+    assert last == (f"interrupted; the compile in progress was dropped: run the same command to go on from the "
+                    f"{TOP} layout(s) compiled so far (cached in {tmp_path / 'plan-search'})"), err
+    assert "training" not in last and "checkpoint" not in last
+
+
+def test_the_memory_lines_say_what_a_layout_needs_of_what_a_gpu_has():
+    """Issue 59 item 4: the header and a dropped layout's row give the need and the capacity together."""
+    sizes = {"pp": 1, "dp": 8, "fsdp": 1, "cp": 1, "ep": 1, "tp": 1}
+    row = {"step_seconds": 1.0, "tokens_per_sec": 1e5, "mfu": 0.4, "collective_seconds": 0.01,
+           "collective_exposed_seconds": 0.0}
+    result = {"ranked": [(search.Candidate(sizes, "dots", 1), {**row, "peak_bytes": 30 * search.GIB, "fits": True})],
+              "dropped": [(search.Candidate(sizes, "none", 1), {**row, "peak_bytes": 85 * search.GIB, "fits": False})],
+              "interrupted": False, "memory_bytes": 80 * search.GIB,
+              "counts": {"valid": 2, "fit_estimate": 2, "compiled": 2}}
+    text = search.format_search(result, "tiny", "h100", 8, None, [])
+    assert "2 compiled, 1 need at most the 80.0 GiB a GPU has" in text.splitlines()[0]
+    assert "does not fit: needs 85.0 of 80.0 GiB" in text
 
 
 @needs_plugin

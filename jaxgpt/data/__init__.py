@@ -7,7 +7,8 @@
     splits.py   a prepared dir's meta.json, checked; each split's memmapped token files as one sequence
     bundled.py  the bundled tiny shakespeare and the small in-memory single-file `prepare`
     loader.py   token sequences -> Grain windows (one split's, or a weighted Mixture's) -> per-process batches
-    sources.py  data.path / data.mix -> checked prepared dirs -> a run's train and val splits
+    conversations.py  data.chat: chat files -> tokens and loss masks (jaxgpt/chat/) -> packed windows
+    sources.py  data.path / data.mix -> checked prepared dirs -> a run's train and val splits (or data.chat's)
 
 Each file imports only those listed above it.
 """
@@ -20,7 +21,8 @@ _WHERE = {"bundled_shakespeare_dir": "bundled", "prepare": "bundled", "prepare_c
           "SPLITS": "splits", "ShardedTokens": "splits", "load_meta": "splits", "load_split": "splits",
           "Mixture": "loader", "Windows": "loader", "eval_batches": "loader", "train_iterator": "loader",
           "BUNDLED": "sources", "describe_sources": "sources", "open_splits": "sources", "parse_mix": "sources",
-          "resolve_data_dir": "sources", "check_dir": "integrity"}
+          "resolve_data_dir": "sources", "check_dir": "integrity", "open_run_data": "sources",
+          "RunData": "sources", "open_chat": "conversations"}
 __all__ = sorted(_WHERE)
 
 

@@ -33,11 +33,15 @@ _BUNDLED_TEXT = Path(__file__).parent.parent / "assets" / "tinyshakespeare.txt"
 _IDENTITY = ("tokenizer", "tokenizer_sha256", "sources", "sources_sha256", "val_fraction")
 
 
-def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1) -> dict:
+def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1,
+            tok: tokenizer.Tokenizer | None = None) -> dict:
     """Tokenizes `text_files` into out_dir/{train,val}.bin + meta.json and returns the meta.
+    `tok`: the tokenizer (default GPT-2's; a vocabulary past 2**16 is written as uint32, which
+    meta.json's dtype says).
 
     Idempotent: if out_dir already holds the same preparation it is kept as it is.
     """
+    tok = tok or tokenizer.load(tokenizer.TOKENIZER_NAME)
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}.")
     if not text_files:
@@ -51,9 +55,10 @@ def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1
     for raw in raw_bytes:  # length-prefixed so that moving text between files changes the hash
         sources_hash.update(len(raw).to_bytes(8, "little") + raw)
     meta = {
-        "tokenizer": tokenizer.TOKENIZER_NAME,
-        "tokenizer_sha256": tokenizer.vocab_sha256(),
-        "vocab_size": tokenizer.N_VOCAB,
+        "tokenizer": tok.name,
+        "tokenizer_sha256": tok.sha256,
+        "vocab_size": tok.n_vocab,
+        **({} if tok.n_vocab <= 1 << 16 else {"dtype": "uint32"}),
         "train_tokens": 0,
         "val_tokens": 0,
         "sources": [p.name for p in paths],
@@ -65,7 +70,7 @@ def prepare(text_files: Sequence[Path], out_dir: Path, val_fraction: float = 0.1
     if existing is not None:
         return existing
 
-    train_ids, val_ids = _encode_split(texts, val_fraction)
+    train_ids, val_ids = _encode_split(texts, val_fraction, tok)
     for name, ids in zip(("train", "val"), (train_ids, val_ids)):
         if len(ids) == 0:
             raise UserError(f"Too little text: the {name} split would be empty; add text or "
@@ -89,7 +94,7 @@ def _read_text(path: Path) -> tuple[str, bytes]:
     return text, raw
 
 
-def _encode_split(texts: Sequence[str], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def _encode_split(texts: Sequence[str], val_fraction: float, tok: tokenizer.Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     cut = int(sum(map(len, texts)) * (1.0 - val_fraction))
     train_parts, val_parts, start = [], [], 0
     for text in texts:
@@ -97,17 +102,16 @@ def _encode_split(texts: Sequence[str], val_fraction: float) -> tuple[np.ndarray
         train_parts.append(text[:k])
         val_parts.append(text[k:])
         start += len(text)
-    return _encode_pieces(train_parts), _encode_pieces(val_parts)
+    return _encode_pieces(train_parts, tok), _encode_pieces(val_parts, tok)
 
 
-def _encode_pieces(pieces: Sequence[str]) -> np.ndarray:
-    enc = tokenizer.gpt2_encoding()
+def _encode_pieces(pieces: Sequence[str], tok: tokenizer.Tokenizer) -> np.ndarray:
     ids: list[int] = []
     for piece in filter(None, pieces):
         if ids:
-            ids.append(tokenizer.EOT_ID)
-        ids.extend(enc.encode_ordinary(piece))
-    return np.asarray(ids, dtype="<u2")  # n_vocab 50257 < 2**16
+            ids.append(tok.separator_id)
+        ids.extend(tok.encode(piece))
+    return np.asarray(ids, dtype="<u2" if tok.n_vocab <= 1 << 16 else "<u4")  # GPT-2's 50257 < 2**16
 
 
 def _existing_meta(out_dir: Path, meta: dict) -> dict | None:
@@ -140,12 +144,14 @@ def _write_atomically(out_dir: Path, files: dict[str, bytes]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def bundled_shakespeare_dir() -> Path:
-    """Tiny shakespeare (90/10 split), prepared on first use in the jaxgpt cache directory."""
+def bundled_shakespeare_dir(tok: tokenizer.Tokenizer | None = None) -> Path:
+    """Tiny shakespeare (90/10 split) tokenized by `tok` (default GPT-2's), prepared on first use in
+    the jaxgpt cache directory."""
+    tok = tok or tokenizer.load(tokenizer.TOKENIZER_NAME)
     cache = files.cache_dir()
     digest = hashlib.sha256(_BUNDLED_TEXT.read_bytes())
-    digest.update(tokenizer.vocab_sha256().encode())
+    digest.update(tok.sha256.encode())
     out_dir = cache / f"shakespeare-{digest.hexdigest()[:12]}"
     if not (out_dir / "meta.json").is_file():
-        prepare([_BUNDLED_TEXT], out_dir, val_fraction=0.1)
+        prepare([_BUNDLED_TEXT], out_dir, val_fraction=0.1, tok=tok)
     return out_dir

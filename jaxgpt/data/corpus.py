@@ -69,14 +69,22 @@ def token_dtype(n_vocab: int = tokenizer.N_VOCAB) -> np.dtype:
     return np.dtype("<u2") if n_vocab <= 1 << 16 else np.dtype("<u4")
 
 
+_TOKENIZER = [tokenizer.TOKENIZER_NAME]  # a worker's data.tokenizer (--tokenizer), set by _worker_init
+
+
 def encode_task(texts: list[str]) -> tuple[bytes, list[int], int]:
     """Worker: the pieces' tokens (concatenated bytes), each piece's token count, UTF-8 bytes in.
 
-    `encode_to_numpy` with no special token allowed or disallowed is `encode_ordinary` (text
-    that spells "<|endoftext|>" stays plain text) without building a Python list of ints.
+    Special tokens' spellings are text (`Tokenizer.encode`). For GPT-2's, `encode_to_numpy` with no
+    special token allowed or disallowed is `encode_ordinary` without building a Python list of ints.
     """
-    enc, dtype = tokenizer.gpt2_encoding(), token_dtype()
-    ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    tok = tokenizer.load(_TOKENIZER[0])
+    dtype = token_dtype(tok.n_vocab)
+    if tok.name == tokenizer.TOKENIZER_NAME:
+        enc = tokenizer.gpt2_encoding()
+        ids = [enc.encode_to_numpy(t, allowed_special=set(), disallowed_special=()) for t in texts]
+    else:
+        ids = [np.asarray(tok.encode(t), dtype) for t in texts]
     flat = np.concatenate(ids).astype(dtype) if ids else np.empty(0, dtype)
     return flat.tobytes(), [len(p) for p in ids], sum(len(t.encode("utf-8")) for t in texts)
 
@@ -94,8 +102,10 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
                    separator: str | None = None, val_fraction: float = 0.1,
                    shard_tokens: int = DEFAULT_SHARD_TOKENS, workers: int | None = None,
                    skip_bad_lines: bool = False, progress: str = "auto",
-                   batch_chars: int = 8 << 20) -> dict:
-    """Prepares (or resumes, or finds already prepared) `out_dir`; returns its meta.json."""
+                   batch_chars: int = 8 << 20, tokenizer_spec: str = tokenizer.TOKENIZER_NAME) -> dict:
+    """Prepares (or resumes, or finds already prepared) `out_dir` with the tokenizer `tokenizer_spec`
+    (data.tokenizer's forms: gpt2, a tokenizer.json, a tiktoken BPE file); returns its meta.json."""
+    tok = tokenizer.load(tokenizer_spec)  # not a tokenizer: one line, before anything is read
     if not 0.0 < val_fraction < 1.0:
         raise UserError(f"--val-fraction must lie strictly between 0 and 1, got {val_fraction}.")
     if shard_tokens < 1:
@@ -113,12 +123,12 @@ def prepare_corpus(inputs: Sequence[str | Path], out_dir: Path, *, text_field: s
             out_dir, "--out", "wait for it to end, then run the same command again (it resumes, or finds "
             "the preparation done)"):
         return _prepare(files, out_dir, text_field, separator, val_fraction, shard_tokens, workers,
-                        skip_bad_lines, progress, batch_chars, started, ctrl_c)
+                        skip_bad_lines, progress, batch_chars, started, ctrl_c, tok)
 
 
 def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str | None, val_fraction: float,
              shard_tokens: int, workers: int, skip_bad_lines: bool, progress: str, batch_chars: int,
-             started: float, ctrl_c: "_CtrlC") -> dict:
+             started: float, ctrl_c: "_CtrlC", tok: tokenizer.Tokenizer) -> dict:
     """`prepare_corpus` once its arguments are checked and out_dir is this process's."""
     # One text file is one document: its val split is its last val_fraction of characters (README).
     tail = len(files) == 1 and readers.kind(files[0]) == "text" and separator is None
@@ -129,8 +139,8 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     with ThreadPoolExecutor(workers) as pool:
         sources = list(pool.map(_hash_file, files))
     ctrl_c.check()
-    dtype = token_dtype()
-    identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tokenizer.vocab_sha256(),
+    dtype = token_dtype(tok.n_vocab)
+    identity = {"format_version": FORMAT_VERSION, "tokenizer_sha256": tok.sha256,
                 "text_field": text_field, "separator": separator, "val_fraction": val_fraction,
                 "shard_tokens": shard_tokens, "dtype": dtype.name, "piece_chars": readers.MAX_PIECE_CHARS,
                 "cuts": readers.CUT_RULE,  # where pieces end: a resume counts pieces
@@ -149,7 +159,7 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         run = _Run(out_dir, reader, dtype, shard_tokens, Fraction(val_fraction).limit_denominator(10**6),
-                   state, fingerprint, tail)
+                   state, fingerprint, tail, tok)
     except OSError as e:
         raise UserError(f"Cannot write to --out {out_dir}: {e.strerror}.") from None
     if state:
@@ -158,7 +168,8 @@ def _prepare(files: list[Path], out_dir: Path, text_field: str, separator: str |
     show.start(run)
     bytes_before = run.text_bytes  # a resumed run's rate counts only this session's text
     try:
-        with _spawn_pool(workers) as pool:
+        spec = tok.name if tok.path is None else str(tok.path)
+        with _spawn_pool(workers, spec) as pool:
             in_flight: deque = deque()
             for batch, cursor, bad_lines in run.batches(batch_chars):
                 tasks = _tasks([text for text, _ in batch])
@@ -206,10 +217,12 @@ class EmptySplit(UserError):
     """The input fills only one split: there is nothing to resume."""
 
 
-def _worker_init() -> None:
+def _worker_init(tokenizer_spec: str = tokenizer.TOKENIZER_NAME) -> None:
     """Workers leave Ctrl-C to the main process, which stops them and prints one line. (They start
-    with SIGINT blocked, _spawn_pool; ignoring it also discards one pending since.)"""
+    with SIGINT blocked, _spawn_pool; ignoring it also discards one pending since.) They encode
+    with `tokenizer_spec`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _TOKENIZER[0] = tokenizer_spec
 
 
 class _CtrlC:
@@ -265,7 +278,7 @@ def _ctrl_c_remembered():
 
 
 @contextlib.contextmanager
-def _spawn_pool(workers: int):
+def _spawn_pool(workers: int, tokenizer_spec: str = tokenizer.TOKENIZER_NAME):
     """The encoding workers, deaf to Ctrl-C from their first instruction, and a Ctrl-C that lands
     while they are spawned deferred, never dropped.
 
@@ -283,7 +296,7 @@ def _spawn_pool(workers: int):
     """
     context = multiprocessing.get_context("spawn")
     with _sigint_deferred() as deferred:
-        pool = context.Pool(workers, initializer=_worker_init)
+        pool = context.Pool(workers, initializer=_worker_init, initargs=(tokenizer_spec,))
     with pool:  # terminated on leaving, a deferred Ctrl-C included
         if deferred:
             signal.raise_signal(signal.SIGINT)
@@ -322,8 +335,9 @@ def _tasks(texts: list[str]) -> list[list[str]]:
 class _Run:
     """One preparation's mutable state: the input cursor, counts and the two split writers."""
 
-    def __init__(self, out_dir, reader, dtype, shard_tokens, val_fraction, state, fingerprint, tail=False):
+    def __init__(self, out_dir, reader, dtype, shard_tokens, val_fraction, state, fingerprint, tail=False, tok=None):
         self.out_dir, self.reader, self.val_fraction, self.fingerprint = out_dir, reader, val_fraction, fingerprint
+        self.tok = tok or tokenizer.load(tokenizer.TOKENIZER_NAME)
         self.fresh = state is None  # this session created out_dir's preparation
         self.tail = tail  # one text file: document 0 is its head (train), document 1 its tail (val)
         s = state or {"cursor": [0, 0], "documents": {"train": 0, "val": 0}, "current_split": None,
@@ -361,7 +375,7 @@ class _Run:
     def commit(self, batch, cursor, bad_lines, result) -> None:
         """Writes one encoded batch, then records the state that resuming after it needs."""
         dtype = self.writers["train"].dtype
-        eot = np.asarray([tokenizer.EOT_ID], dtype=dtype)
+        eot = np.asarray([self.tok.separator_id], dtype=dtype)  # GPT-2's <|endoftext|>
         pieces = iter(batch)
         for data, lengths, text_bytes in result.get():
             tokens, start = np.frombuffer(data, dtype=dtype), 0
@@ -406,9 +420,9 @@ class _Run:
                                 f"with --val-fraction {val_fraction} put none in it ({hint}){end}")
         shards = {split: w.finish() for split, w in self.writers.items()}
         meta = {
-            "tokenizer": tokenizer.TOKENIZER_NAME,
-            "tokenizer_sha256": tokenizer.vocab_sha256(),
-            "vocab_size": tokenizer.N_VOCAB,
+            "tokenizer": self.tok.name,
+            "tokenizer_sha256": self.tok.sha256,
+            "vocab_size": self.tok.n_vocab,
             "dtype": identity["dtype"],
             "train_tokens": sum(s["tokens"] for s in shards["train"]),
             "val_tokens": sum(s["tokens"] for s in shards["val"]),

@@ -24,6 +24,11 @@
    shares are exact to about 1%. Evaluation mixes the components' val windows the same way,
    unshuffled.
 
+Fine-tuning (data.chat) changes only the source: a split of conversations
+(jaxgpt/data/conversations.py) gives its packed windows, each a pair (tokens [T+1], weights [T]),
+which are shuffled, batched and cut per process as windows are; a batch is then the pair
+(tokens [B, T+1], weights [B, T]).
+
 `eval_batches` is the unshuffled counterpart for evaluation: batch b holds windows
 [b*G, (b+1)*G) modulo the number of windows, cut the same way into per-process rows.
 """
@@ -82,6 +87,11 @@ class Mixture:
         return grain.MapDataset.mix(components, self.weights)
 
 
+def _windows(tokens, seq_len: int):
+    """A split's windows: a token sequence's (`Windows`) or a conversations split's packed ones."""
+    return tokens.windows(seq_len) if hasattr(tokens, "windows") else Windows(tokens, seq_len)
+
+
 def _local_batch(global_batch: int, process_index: int, process_count: int) -> int:
     if global_batch < 1 or process_count < 1 or global_batch % process_count:
         raise UserError(f"global batch {global_batch} must be a positive multiple of the "
@@ -101,7 +111,7 @@ def train_iterator(tokens, *, seq_len: int, global_batch: int, seed: int, proces
     if isinstance(tokens, Mixture):
         ds = tokens.train_windows(seq_len, seed)
     else:
-        ds = (grain.MapDataset.source(Windows(tokens, seq_len))
+        ds = (grain.MapDataset.source(_windows(tokens, seq_len))
               .shuffle(seed=seed)  # before repeat: epoch e is permuted with (seed, e)
               .repeat(None))
     ds = (ds.batch(local, drop_remainder=True)  # the stream is endless, so every batch is full
@@ -116,7 +126,7 @@ def eval_batches(tokens, *, seq_len: int, global_batch: int, num_batches: int,
     read when it is asked for (every evaluation), not all at the start: a run's memory check comes
     after this, and a batch too big for the host must fail there, not hang here."""
     local = _local_batch(global_batch, process_index, process_count)
-    windows = tokens.eval_windows(seq_len) if isinstance(tokens, Mixture) else Windows(tokens, seq_len)
+    windows = tokens.eval_windows(seq_len) if isinstance(tokens, Mixture) else _windows(tokens, seq_len)
     return _EvalBatches(windows, global_batch, local, process_index, num_batches)
 
 
@@ -132,4 +142,5 @@ class _EvalBatches(Sequence):
         if not 0 <= b < self.num_batches:
             raise IndexError(b)
         ids = (b * self.global_batch + self.process_index * self.local + np.arange(self.local)) % len(self.windows)
-        return np.stack([self.windows[int(i)] for i in ids])
+        rows = [self.windows[int(i)] for i in ids]
+        return tuple(map(np.stack, zip(*rows))) if isinstance(rows[0], tuple) else np.stack(rows)

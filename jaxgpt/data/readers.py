@@ -208,6 +208,7 @@ class Reader:
         self.skip_bad_lines, self.max_chars = skip_bad_lines, max_chars
         self.bad_lines = 0
         self.file_bytes_read = 0  # of the file being read, for progress
+        self.skip_hint = "pass --skip-bad-lines"  # how a user skips bad lines (the chat loader's is a config key)
 
     def pieces(self, index: int, skip: int = 0, bad_lines: int | None = None) -> Iterator[tuple[str, bool]]:
         """File `index`'s pieces after its first `skip`; `bad_lines`: the count once they are skipped.
@@ -255,11 +256,13 @@ class Reader:
         """A bad line (or Parquet row, `unit`): an error naming it, or counted with --skip-bad-lines."""
         if not self.skip_bad_lines:
             where = f"{path}:{lineno}" if unit == "line" else f"{path}: {unit} {lineno}"
-            raise UserError(f"{where}: {why}; fix the {unit} or pass --skip-bad-lines to skip such {unit}s.")
+            raise UserError(f"{where}: {why}; fix the {unit} or {self.skip_hint} to skip such {unit}s.")
         self.bad_lines += 1
 
-    def _jsonl(self, path: Path) -> Iterator[str]:
-        field, first = self.text_field, True
+    def objects(self, path: Path) -> Iterator[tuple[int, object]]:
+        """(line number, parsed JSON value) of each non-blank line of a JSON Lines file; a line that
+        is not UTF-8 JSON is `_bad` (an error, or counted and skipped)."""
+        first = True
         for lineno, line in self._lines(path):
             if not line.strip():
                 continue
@@ -277,6 +280,11 @@ class Reader:
                 continue
             if is_first and isinstance(obj, list):
                 _not_lines(path, "a JSON array")
+            yield lineno, obj
+
+    def _jsonl(self, path: Path) -> Iterator[str]:
+        field = self.text_field
+        for lineno, obj in self.objects(path):
             if not isinstance(obj, dict) or field not in obj:
                 keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
                 self._bad(path, lineno, f"no {field!r} field (found: {keys or 'none'}); choose the "
@@ -293,6 +301,15 @@ class Reader:
             yield text
 
     def _parquet(self, path: Path) -> Iterator[str]:
+        for row, text in self.column(path, self.text_field, _is_text, "strings", "choose the column with --text-field"):
+            if text is None:  # as a JSON Lines null: an error, or counted with --skip-bad-lines
+                self._bad(path, row, f"the {self.text_field!r} column is null", unit="row")
+            else:
+                yield text
+
+    def column(self, path: Path, name: str, of_type, type_name: str, hint: str) -> Iterator[tuple[int, object]]:
+        """(row number from 1, value as a Python object) of a Parquet file's column, read page by
+        page; `of_type(arrow type)` says whether the column holds `type_name`."""
         import pyarrow as pa
         import pyarrow.parquet as pq
         try:
@@ -302,24 +319,20 @@ class Reader:
         except pa.ArrowException as e:
             raise UserError(f"{path} is not a readable Parquet file ({e}).") from None
         names = pf.schema_arrow.names
-        if self.text_field not in names:
-            raise UserError(f"{path} has no column {self.text_field!r} (columns: {', '.join(names)}); "
-                            "choose the column with --text-field.")
-        column_type = pf.schema_arrow.field(self.text_field).type
-        if not _is_text(column_type):
-            raise UserError(f"Column {self.text_field!r} of {path} holds {column_type}, not strings.")
+        if name not in names:
+            raise UserError(f"{path} has no column {name!r} (columns: {', '.join(names)}); {hint}.")
+        column_type = pf.schema_arrow.field(name).type
+        if not of_type(column_type):
+            raise UserError(f"Column {name!r} of {path} holds {column_type}, not {type_name}.")
         size, meta = path.stat().st_size, pf.metadata
         total = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)) or 1
         done = row = 0
         try:
             for g in range(meta.num_row_groups):
-                for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[self.text_field]):
-                    for text in batch.column(0).to_pylist():
+                for batch in pf.iter_batches(batch_size=1024, row_groups=[g], columns=[name]):
+                    for value in batch.column(0).to_pylist():
                         row += 1
-                        if text is None:  # as a JSON Lines null: an error, or counted with --skip-bad-lines
-                            self._bad(path, row, f"the {self.text_field!r} column is null", unit="row")
-                        else:
-                            yield text
+                        yield row, value
                 done += meta.row_group(g).total_byte_size
                 self.file_bytes_read = size * done // total
         except pa.ArrowException as e:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxgpt import files, tokenizer
+from jaxgpt import files
 from jaxgpt.errors import UserError
 
 SPLITS = ("train", "val")
@@ -27,10 +27,7 @@ def load_meta(data_dir: Path) -> dict:
         meta = files.read_json_object(path, "data file", required=_META_SHAPE)
     except UserError as e:
         raise UserError(f"{e}; prepare the data again with `{PREPARE_HINT}`.") from None
-    if meta.get("tokenizer_sha256") != tokenizer.vocab_sha256():
-        raise UserError(f"{data_dir} was tokenized with another vocabulary than this jaxgpt's "
-                        f"GPT-2 one; prepare it again with `{PREPARE_HINT}`.")
-    return meta
+    return meta  # its tokenizer is checked against the run's where a run opens it (sources.py)
 
 
 def _memmap(path: Path, dtype: np.dtype, tokens: int | None) -> np.ndarray:
@@ -49,8 +46,8 @@ def load_split(data_dir: Path, split: str) -> "np.ndarray | ShardedTokens":
     if split not in SPLITS:
         raise UserError(f"Unknown split {split!r}; expected one of {SPLITS}.")
     meta = load_meta(data_dir)
-    if "shards" not in meta:  # the single-file layout
-        return _memmap(Path(data_dir) / f"{split}.bin", np.dtype("<u2"), None)
+    if "shards" not in meta:  # the single-file layout: uint16 unless meta.json says otherwise (bundled.py)
+        return _memmap(Path(data_dir) / f"{split}.bin", np.dtype(meta.get("dtype", "uint16")).newbyteorder("<"), None)
     dtype = np.dtype(meta["dtype"]).newbyteorder("<")
     parts = [_memmap(Path(data_dir) / s["file"], dtype, s["tokens"]) for s in meta["shards"][split]]
     if not parts:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import Config
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import check_ids_fit
+from jaxgpt import tokenizer
 
 
 def _main(argv: Sequence[str] | None) -> None:
@@ -48,10 +48,9 @@ def _main(argv: Sequence[str] | None) -> None:
     tasks = []
 
     def read_tasks(cfg: Config) -> None:  # before any parameter is read
-        tasks.extend(load_task(name, path, cfg.model.seq_len, args.limit) for name, path in specs)
-        for task in tasks:
-            largest = max((int(t.max()) for row in task.tokens for t in row), default=0)
-            check_ids_fit(largest, cfg.model.vocab_size, f"task {task.name} ({task.path})")
+        tok = tokenizer.of_run(args.run, cfg.data.tokenizer)  # what the run was trained with
+        tokenizer.check_fits_model(tok, cfg.model.vocab_size)
+        tasks.extend(load_task(name, path, cfg.model.seq_len, args.limit, tok) for name, path in specs)
 
     params, cfg, step = restore_params(args.run, check=read_tasks)
     params, mesh = shard_params(params, cfg, args.mesh, command="evaluation")

@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxgpt import files
 from jaxgpt.errors import UserError
-from jaxgpt.tokenizer import EOT_ID, gpt2_encoding
+from jaxgpt import tokenizer
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]+$")  # metric keys task/NAME/acc: no '/', '=' or ','
 HELLASWAG = {"ctx_a": str, "ctx_b": str, "endings": list, "label": (int, str), "activity_label": str}
@@ -141,12 +141,15 @@ def _numbered_examples(path: Path, limit: int = 0) -> list[tuple[int, str, list[
     return examples
 
 
-def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
-    """(context tokens, continuation tokens) as lm-eval-harness's HF model `_encode_pair` makes them."""
-    enc = gpt2_encoding()
-    encode = lambda s: enc.encode(s, allowed_special="all")  # noqa: E731
+def encode_pair(context: str, continuation: str, tok: tokenizer.Tokenizer | None = None
+                ) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as lm-eval-harness's HF model `_encode_pair` makes them,
+    with `tok` (the run's data.tokenizer; default GPT-2's, whose document separator stands for an
+    empty context)."""
+    tok = tok or tokenizer.load(tokenizer.TOKENIZER_NAME)
+    encode = tok.encode_special
     if not context:
-        return [EOT_ID], encode(continuation)
+        return [tok.separator_id], encode(continuation)
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -154,13 +157,13 @@ def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
     return context_ids, encode(context + continuation)[len(context_ids):]
 
 
-def load_task(name: str, path: Path, seq_len: int, limit: int = 0) -> Task:
-    """A task file read, checked and tokenized for a model of `seq_len` positions."""
+def load_task(name: str, path: Path, seq_len: int, limit: int = 0, tok: tokenizer.Tokenizer | None = None) -> Task:
+    """A task file read, checked and tokenized (by `tok`, default GPT-2's) for a model of `seq_len` positions."""
     tokens, continuation, chars, labels = [], [], [], []
     for number, context, choices, label in _numbered_examples(path, limit):
         row_tokens, row_cont = [], []
         for c, choice in enumerate(choices):
-            context_ids, cont_ids = encode_pair(context, " " + choice)
+            context_ids, cont_ids = encode_pair(context, " " + choice, tok)
             where = f"task file {path}: line {number}: choice {c}"
             if not cont_ids:
                 raise UserError(f"{where} has no tokens of its own (the tokenizer merges it into the context's "
@@ -176,5 +179,6 @@ def load_task(name: str, path: Path, seq_len: int, limit: int = 0) -> Task:
     return Task(name, Path(path), tokens, continuation, chars, np.asarray(labels))
 
 
-def load_tasks(spec: str, seq_len: int, limit: int = 0, what: str = "eval.tasks") -> list[Task]:
-    return [load_task(name, path, seq_len, limit) for name, path in parse_spec(spec, what)]
+def load_tasks(spec: str, seq_len: int, limit: int = 0, what: str = "eval.tasks",
+               tok: tokenizer.Tokenizer | None = None) -> list[Task]:
+    return [load_task(name, path, seq_len, limit, tok) for name, path in parse_spec(spec, what)]

@@ -26,7 +26,9 @@ from the config and its overrides. The search has three stages:
    count and the sources of the cost model, so a second search compiles only what is new.
 
 The ranking is deterministic: candidates are ordered by their estimate, ties broken by the
-layout's text. Ctrl-C during the compiles prints the ranking of what has been compiled so far.
+layout's text. Ctrl-C during the compiles stops the search about a second later, dropping the
+compile in progress, and prints the ranking of what was compiled before; those are cached, so the
+same command goes on from them (`interrupted_line`).
 """
 
 from __future__ import annotations
@@ -282,10 +284,10 @@ def train_command(config: str | None, overrides: Sequence[str], c: Candidate) ->
 
 def format_search(result: dict[str, Any], name: str, target: str, n: int, config: str | None,
                   overrides: Sequence[str]) -> str:
-    k = result["counts"]
+    k, capacity = result["counts"], result["memory_bytes"] / GIB
     lines = [f"search: {name} on {n} x {target.upper()} | {k['valid']} valid layouts x remat x micro-batches, "
              f"{k['fit_estimate']} not ruled out by the memory estimate, {k['compiled']} compiled, "
-             f"{len(result['ranked'])} fit {result['memory_bytes'] / GIB:.1f} GiB"
+             f"{len(result['ranked'])} need at most the {capacity:.1f} GiB a GPU has (GiB/GPU: what each needs)"
              + (" | interrupted: the ranking of what was compiled" if result["interrupted"] else ""),
              "predicted by jaxgpt/gpu/cost.py from XLA:GPU's compiled program (a model, not a measurement)", "",
              f"{'#':>2}  {'mesh':<28}{'remat':<10}{'accum':>6}{'step ms':>10}{'tokens/s':>12}{'MFU':>7}"
@@ -296,7 +298,8 @@ def format_search(result: dict[str, Any], name: str, target: str, n: int, config
                      f"{r['tokens_per_sec'] or 0:>12,.0f}{mfu:>7}{r['peak_bytes'] / GIB:>9.1f}"
                      f"{1e3 * r['collective_seconds']:>9,.1f}{1e3 * r['collective_exposed_seconds']:>11,.1f}")
     for c, r in result["dropped"]:
-        why = f"error: {r['error']}" if "error" in r else f"does not fit: {r['peak_bytes'] / GIB:.1f} GiB"
+        why = f"error: {r['error']}" if "error" in r else \
+            f"does not fit: needs {r['peak_bytes'] / GIB:.1f} of {capacity:.1f} GiB"
         lines.append(f" -  {c.mesh:<28}{c.remat:<10}{c.grad_accum:>6}   {why}")
     if result["ranked"]:
         lines += ["", "fastest: " + train_command(config, overrides, result["ranked"][0][0])]
@@ -326,16 +329,23 @@ def check_args(args) -> None:
         raise UserError(f"--compile-top must be positive, got {args.compile_top}")
 
 
+def interrupted_line(result: dict[str, Any], cache: Path) -> str:
+    """The last line after a Ctrl-C: what was lost, and how to go on."""
+    kept = sum("error" not in row for _, row in result["ranked"] + result["dropped"])
+    return (f"interrupted; the compile in progress was dropped: run the same command to go on from the {kept} "
+            f"layout(s) compiled so far (cached in {cache})")
+
+
 def run(args, n: int, plan_fn: Callable[[Config], dict], cfg: Config, memory_bytes: int | None) -> None:
     """`python -m jaxgpt.plan --search ...` (args: jaxgpt.plan's): search, print the table, write --json;
-    after a Ctrl-C, the ranking so far and then KeyboardInterrupt (exit 130)."""
+    after a Ctrl-C, the ranking so far and then KeyboardInterrupt with `interrupted_line` (exit 130)."""
     from jaxgpt.files import cache_dir
+    cache = cache_dir() / "plan-search"
     result = search(cfg, n, args.target, plan_fn, gpus_per_node=args.gpus_per_node or 8,
-                    compile_top=args.compile_top or 12, memory_bytes=memory_bytes,
-                    cache=cache_dir() / "plan-search", progress=say)
+                    compile_top=args.compile_top or 12, memory_bytes=memory_bytes, cache=cache, progress=say)
     print(format_search(result, args.config or "shakespeare", args.target, n, args.config, args.overrides), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(as_json(result), f, indent=1)
     if result["interrupted"]:
-        raise KeyboardInterrupt
+        raise KeyboardInterrupt(interrupted_line(result, cache))

@@ -10,14 +10,14 @@ from jaxgpt.hf.convert import EXPORT_FILES, check_dir, export, import_dir
 
 
 def _main(argv: Sequence[str] | None) -> None:
-    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2, Llama and Mixtral export and import.")
+    parser = ArgumentParser(prog="python -m jaxgpt.hf", description="Hugging Face GPT-2, Llama, Qwen3, Mixtral and Qwen3-MoE export and import.")
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2, Llama or Mixtral directory")
+    ex = commands.add_parser("export", help="write a run's newest checkpoint as an HF GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE directory")
     ex.add_argument("run_dir", type=path_arg, help="a run dir or its checkpoints dir")
     ex.add_argument("out_dir", type=path_arg, help="gets the weights, config.json, generation_config.json and tokenizer")
-    check = commands.add_parser("check", help="load an HF GPT-2, Llama or Mixtral directory and print its size")
+    check = commands.add_parser("check", help="load an HF GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE directory and print its size")
     check.add_argument("hf_dir", type=path_arg)
-    imp = commands.add_parser("import", help="turn an HF GPT-2, Llama or Mixtral directory into a jaxgpt run dir "
+    imp = commands.add_parser("import", help="turn an HF GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE directory into a jaxgpt run dir "
                                              "(a step-0 checkpoint)")
     imp.add_argument("hf_dir", type=path_arg, help="config.json + model.safetensors (save_pretrained or export)")
     imp.add_argument("run_dir", type=path_arg, help="a new run dir; gets checkpoints/0 and config.yaml")
@@ -32,7 +32,9 @@ def _main(argv: Sequence[str] | None) -> None:
         return
     if args.command == "import":
         cfg, implied = import_dir(args.hf_dir, args.run_dir, args.config, [*args.overrides, *extra])
-        model_keys = " ".join(f"model.{k}={v}" for k, v in cfg.to_dict()["model"].items() if f"model.{k}" in implied)
+        values = cfg.to_dict()
+        model_keys = " ".join(f"{key}={shlex.quote(str(values[key.split('.')[0]][key.split('.')[1]]))}"
+                              for key in implied)
         print(f"wrote step 0 of {args.run_dir} from {args.hf_dir}; sample or export it as it is, or train it "
               f"(adding your data.* and train.* settings) with:\n"
               f"  python -m jaxgpt.train --run-dir {shlex.quote(str(args.run_dir))} {model_keys}")

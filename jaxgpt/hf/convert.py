@@ -1,21 +1,26 @@
 """Hugging Face directories <-> jaxgpt runs: read and check an HF directory, export, import (for cli.py).
 
-A directory's config.json picks its format (`FORMATS`: the GPT-2, Llama and Mixtral mappings of
-gpt2.py, llama.py and mixtral.py) by its model_type, or without one by its `architectures`.
+A directory's config.json picks its format (`FORMATS`: the GPT-2, Llama, Mixtral, Qwen3 and
+Qwen3-MoE mappings of gpt2.py, llama.py, mixtral.py and qwen3.py) by its model_type, or without one
+by its `architectures`.
 
 `export` restores the newest readable checkpoint of a run (the config stored with it decides the
-shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that
-`GPT2LMHeadModel.from_pretrained` (or `LlamaForCausalLM`'s) reads, a `generation_config.json`
-(bos = eos = <|endoftext|>) and GPT-2's tokenizer files (`tokenizer.py`), so the directory is
-usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates. The files
-are written into a hidden staging directory inside OUT_DIR and then moved into place, the weights
-last: a killed export leaves no `model.safetensors` that `hf check` or `from_pretrained` would take
-for a complete directory (a re-run removes the staging directory left behind).
+shapes and the class) onto one device and writes `model.safetensors`, a `config.json` that the
+class's `from_pretrained` reads, a `generation_config.json` and the run's tokenizer
+(hf/tokenizer.py: GPT-2's files, bos = eos = <|endoftext|>; or the tokenizer.json it was trained
+with, bos and eos its own, a fine-tuned run's end-of-turn token among the eos ids), so the
+directory is usable as it is: `AutoTokenizer` + the model generate what `jaxgpt.sample` generates.
+The files are written into a hidden staging directory inside OUT_DIR and then moved into place,
+the weights last: a killed export leaves no `model.safetensors` that `hf check` or
+`from_pretrained` would take for a complete directory (a re-run removes the staging directory
+left behind).
 
 `load_dir` is the way back, for initialising a run (`checkpoint.init_from_hf`). `import` turns an
 HF directory into a jaxgpt run dir holding one checkpoint at step 0 (the weights, a fresh optimizer
 state, the data iterator at its start, the config implied by config.json plus any overrides),
-which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like any other.
+which `sample`, `export`, `checkpoint.init_from` and a resumed `train` read like any other. A
+directory with its own tokenizer.json brings it along: the run keeps a copy (RUN_DIR/tokenizer)
+and its config names it as data.tokenizer, with model.document_token its document separator.
 """
 
 from __future__ import annotations
@@ -36,14 +41,15 @@ import yaml
 from safetensors.numpy import load_file, save_file
 
 from jaxgpt import files
+from jaxgpt import tokenizer as tokenizers_
 from jaxgpt.checkpoint import Checkpointer, find_checkpoint_dir
 from jaxgpt.config import CheckpointConfig, Config, ModelConfig, from_dict, load_config
 from jaxgpt.errors import UserError
-from jaxgpt.hf import gpt2, llama, mixtral, tokenizer
+from jaxgpt.hf import gpt2, llama, mixtral, qwen3, tokenizer
 from jaxgpt.hf.classes import architecture
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import TrainState, abstract_state, make_setup
-from jaxgpt.tokenizer import EOT_ID, N_VOCAB
+from jaxgpt.tokenizer import EOT_ID
 
 WEIGHTS, CONFIG, GENERATION_CONFIG = "model.safetensors", "config.json", "generation_config.json"
 
@@ -66,7 +72,8 @@ def _format(name: str, module: Any) -> Format:
                   module.check_config, module.CONFIG_SHAPE)
 
 
-FORMATS = {"gpt2": _format("GPT-2", gpt2), "llama": _format("Llama", llama), "mixtral": _format("Mixtral", mixtral)}
+FORMATS = {"gpt2": _format("GPT-2", gpt2), "llama": _format("Llama", llama), "mixtral": _format("Mixtral", mixtral),
+           "qwen3": _format("Qwen3", qwen3), "qwen3_moe": _format("Qwen3-MoE", qwen3.Moe)}
 
 
 def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
@@ -75,7 +82,8 @@ def _format_of(hf_cfg: dict[str, Any], source: Path) -> Format:
     default = next((kind for kind, f in FORMATS.items() if f.architecture in hf_cfg.get("architectures", [])), "gpt2")
     kind = hf_cfg.get("model_type", default)
     if kind not in FORMATS:
-        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2, Llama and Mixtral (model_type gpt2, llama or mixtral)")
+        raise UserError(f"{source} describes a {kind!r} model; jaxgpt reads GPT-2, Llama, Mixtral, Qwen3 and Qwen3-MoE "
+                        f"(model_type gpt2, llama, mixtral, qwen3 or qwen3_moe)")
     fmt = FORMATS[kind]
     files.check_shape(hf_cfg, f"Hugging Face config {source}", optional=fmt.config_shape)
     for key, value in hf_cfg.items():
@@ -112,7 +120,7 @@ def read_dir(hf_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], Forma
 
 
 def load_dir(hf_dir: Path, model_cfg: ModelConfig) -> dict:
-    """config.json + model.safetensors (GPT-2, Llama or Mixtral, as save_pretrained/export write them) -> our
+    """config.json + model.safetensors (GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE, as save_pretrained/export write them) -> our
     params, checked."""
     hf_cfg, tensors, fmt = read_dir(hf_dir)
     _same_class(fmt, model_cfg, hf_dir)
@@ -163,7 +171,8 @@ def restore_params(run_dir_or_ckpt: Path, check: Callable[[Config], None] | None
     return restored.state.params, cfg, restored.step
 
 
-EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *tokenizer.FILES)
+EXPORT_FILES = (WEIGHTS, CONFIG, GENERATION_CONFIG, *tokenizer.FILES)  # a GPT-2 tokenizer's run
+_ALLOWED = (WEIGHTS, CONFIG, GENERATION_CONFIG, *tokenizer.ALL_FILES)  # any run's
 
 
 def _format_for(cfg: Config) -> Format:
@@ -172,33 +181,45 @@ def _format_for(cfg: Config) -> Format:
 
 
 def _same_class(fmt: Format, m: ModelConfig, hf_dir: Path) -> None:
-    """UserError (one line) unless some class holds `m` and an MoE `m` meets a Mixtral directory (the
-    formats' check_config name every other mismatch by its model.* keys)."""
+    """UserError (one line) unless some class holds `m` and an MoE `m` meets a Mixtral or Qwen3-MoE
+    directory (the formats' check_config name every other mismatch by its model.* keys)."""
     architecture(m)
-    if m.moe_experts and fmt is not FORMATS["mixtral"]:
+    if m.moe_experts and fmt not in (FORMATS["mixtral"], FORMATS["qwen3_moe"]):
         raise UserError(f"{hf_dir} holds a {fmt.name} model, which has no experts, but the model config sets "
                         f"model.moe_experts={m.moe_experts}; set model.moe_experts=0")
 
 
-def generation_config() -> dict[str, Any]:
-    """GPT-2's generation_config.json (both classes): generation starts and stops at <|endoftext|>."""
-    return {"bos_token_id": EOT_ID, "eos_token_id": EOT_ID}
+def generation_config(tok: tokenizers_.Tokenizer | None = None, end_of_turn: str | None = None) -> dict[str, Any]:
+    """generation_config.json (and config.json's token ids): GPT-2's starts and stops at <|endoftext|>;
+    another tokenizer's starts at its bos token and stops at its eos token or at `end_of_turn`, the
+    chat template's end-of-turn marker where that is a special token."""
+    if tok is None or tok.name == tokenizers_.TOKENIZER_NAME:
+        return {"bos_token_id": EOT_ID, "eos_token_id": EOT_ID}
+    eos = [tok.specials[t] for t in dict.fromkeys((tok.eos, end_of_turn)) if t in tok.specials]
+    return {"bos_token_id": tok.specials.get(tok.bos), "eos_token_id": eos[0] if len(eos) == 1 else eos or None}
 
 
 def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
-    """Writes EXPORT_FILES into OUT_DIR from a run's newest checkpoint; returns its step."""
-    out_dir = files.writable_dir(out_dir, "export directory", files=EXPORT_FILES)
+    """Writes the weights, config.json, generation_config.json and the run's tokenizer (EXPORT_FILES for
+    GPT-2's; hf/tokenizer.py) into OUT_DIR from a run's newest checkpoint; returns its step."""
+    out_dir = files.writable_dir(out_dir, "export directory", files=_ALLOWED)
     if out_dir.is_dir() and (others := sorted(p.name for p in out_dir.iterdir()
-                                              if p.name not in EXPORT_FILES and not p.name.startswith(_STAGING))):
+                                              if p.name not in _ALLOWED and not p.name.startswith(_STAGING))):
         raise UserError(f"export directory {out_dir} holds other files ({', '.join(others[:5])}"
                         f"{', ...' if len(others) > 5 else ''}); export into a new or empty directory, or over an "
                         f"earlier export")  # a run dir, or someone's config.json next to their notes
     params, cfg, step = restore_params(run_dir_or_ckpt, check=_format_for)
     fmt = _format_for(cfg)
-    if cfg.model.vocab_size < N_VOCAB:  # an imported model with its own vocabulary
-        print(f"warning: the model's vocabulary is {cfg.model.vocab_size} tokens, smaller than GPT-2's {N_VOCAB}: the "
-              f"GPT-2 tokenizer files written beside it produce ids it does not have (its <|endoftext|> among them)",
+    tok = tokenizers_.of_run(run_dir_or_ckpt, cfg.data.tokenizer)  # the one the run was trained with
+    if cfg.model.vocab_size < tok.n_vocab:  # an imported model with its own vocabulary, imported without it
+        print(f"warning: the model's vocabulary is {cfg.model.vocab_size} tokens, smaller than its tokenizer's "
+              f"{tok.n_vocab} ({tok.describe()}): the tokenizer files written beside it produce ids it does not have",
               file=sys.stderr, flush=True)
+    template = None  # a fine-tuned run's template, where its tokenizer has none of its own (hf/tokenizer.py)
+    if cfg.data.chat_template or (cfg.data.chat and not tok.chat_template):
+        from jaxgpt.chat.template import ChatTemplate
+        template = ChatTemplate(tok, cfg.data.chat_template)
+    hf_cfg = fmt.hf_config(cfg.model) | generation_config(tok, template and template.end_of_turn)
     out_dir.mkdir(parents=True, exist_ok=True)
     for left in out_dir.glob(f"{_STAGING}*"):  # a killed export's
         shutil.rmtree(left, ignore_errors=True)
@@ -206,10 +227,14 @@ def export(run_dir_or_ckpt: Path, out_dir: Path) -> int:
     try:
         # transformers refuses safetensors files without a "format" entry in their metadata.
         save_file(fmt.to_hf(params, cfg.model), staging / WEIGHTS, metadata={"format": "pt"})
-        (staging / CONFIG).write_text(json.dumps(fmt.hf_config(cfg.model), indent=2) + "\n")
-        (staging / GENERATION_CONFIG).write_text(json.dumps(generation_config(), indent=2) + "\n")
-        tokenizer.write(staging, model_max_length=cfg.model.seq_len)
-        for name in sorted(EXPORT_FILES, key=lambda name: name == WEIGHTS):  # the weights last
+        (staging / CONFIG).write_text(json.dumps(hf_cfg, indent=2) + "\n")
+        (staging / GENERATION_CONFIG).write_text(json.dumps(generation_config(tok, template and template.end_of_turn),
+                                                            indent=2) + "\n")
+        names = [WEIGHTS, CONFIG, GENERATION_CONFIG,
+                 *tokenizer.write(staging, cfg.model.seq_len, tok, template and template.text)]
+        for stale in set(_ALLOWED) - set(names):  # an earlier export's other tokenizer files
+            (out_dir / stale).unlink(missing_ok=True)
+        for name in sorted(names, key=lambda name: name == WEIGHTS):  # the weights last
             os.chmod(staging / name, 0o666 & ~files.umask())  # safetensors and mkdtemp's files: 0600
             os.replace(staging / name, out_dir / name)
     finally:
@@ -229,7 +254,7 @@ def _fresh_data_state() -> dict:
 
 def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
                overrides: Sequence[str] = ()) -> tuple[Config, list[str]]:
-    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2, Llama or Mixtral directory,
+    """Writes RUN_DIR/checkpoints/0 and RUN_DIR/config.yaml from an HF GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE directory,
     without training: the model.* keys come from its config.json (then `config` and `overrides`),
     the parameters from its weights, the optimizer state is a fresh one. Returns the config and
     the model.* keys config.json implies (what a `train --run-dir` resuming it must keep)."""
@@ -241,14 +266,20 @@ def import_dir(hf_dir: Path, run_dir: Path, config: str | None = None,
         raise UserError(f"run dir {run_dir} already holds checkpoints; import into a new run dir")
     hf_cfg, tensors, fmt = read_dir(hf_dir)
     implied = fmt.model_overrides(hf_cfg)
+    tok = tokenizers_.load(str(hf_dir)) if (Path(hf_dir) / tokenizers_.HF_FILE).is_file() else None
+    if tok is not None and tok.name != tokenizers_.TOKENIZER_NAME:  # its own: the run keeps a copy (tokenizer.py)
+        implied |= {"data.tokenizer": str(run_dir / tokenizers_.RUN_SUBDIR), "model.document_token": tok.separator_id}
     cfg = load_config(config, [*(f"{key}={value}" for key, value in implied.items()), *overrides])
     _same_class(fmt, cfg.model, hf_dir)
     fmt.check_config(hf_cfg, cfg.model, Path(hf_dir) / CONFIG)
     params = fmt.from_hf(tensors, cfg.model)
-    if cfg.model.vocab_size != N_VOCAB:
-        print(f"warning: {hf_dir} has a vocabulary of {cfg.model.vocab_size} tokens, not GPT-2's {N_VOCAB}: jaxgpt "
-              f"tokenizes with GPT-2's BPE only, so sample and train would feed it GPT-2 token ids",
-              file=sys.stderr, flush=True)
+    if tok is None and cfg.model.vocab_size != tokenizers_.N_VOCAB:
+        print(f"warning: {hf_dir} has a vocabulary of {cfg.model.vocab_size} tokens, not GPT-2's "
+              f"{tokenizers_.N_VOCAB}, and no {tokenizers_.HF_FILE}: set data.tokenizer to the model's own to "
+              f"sample or train it", file=sys.stderr, flush=True)
+    if tok is not None and tok.name != tokenizers_.TOKENIZER_NAME:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tokenizers_.keep(run_dir, tok)
     mesh = _one_device_mesh()
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)

@@ -35,14 +35,13 @@ same frequencies theta^(-2i/K), so q and k rows cross over in order, unpermuted.
 holds this to an independent NumPy rotate-half RoPE and checks that Meta's permutation breaks the
 logits, so a swapped convention cannot pass.
 
-The rest agrees as well: RMSNorm in fp32 with eps 1e-5 (jaxgpt's; config.json says so, and import
-refuses another rms_norm_eps), attention scaled by 1/sqrt(K), silu(gate) * up. Not held, refused
-on import with the key named: rope scaling (Llama 3.1+'s `llama3`, linear, dynamic: jaxgpt's RoPE
-has no frequency scaling), a head_dim other than hidden_size / num_attention_heads, another
-hidden_act. config.json carries rope_theta twice: as `rope_theta` (transformers 4) and in
-transformers 5's `rope_parameters`. The tokenizer is GPT-2's (jaxgpt has no other): the export
-writes GPT-2's files with bos = eos = <|endoftext|>, and an import of another vocabulary (Llama
-3's 128256 tokens) says that jaxgpt will feed it GPT-2's token ids.
+The rest agrees as well: RMSNorm in fp32 with rms_norm_eps (model.norm_eps), a head_dim of its own
+(model.head_size) where config.json gives one, attention scaled by 1/sqrt(K), silu(gate) * up. Not
+held, refused on import with the key named: rope scaling (Llama 3.1+'s `llama3`, linear, dynamic:
+jaxgpt's RoPE has no frequency scaling), another hidden_act. config.json carries rope_theta twice:
+as `rope_theta` (transformers 4) and in transformers 5's `rope_parameters`. The export writes the
+run's tokenizer beside the weights, and bos/eos are its (convert.py; GPT-2's: <|endoftext|> both).
+Qwen3 (qwen3.py) is this mapping with QK-norm's two [K] scales per layer.
 """
 
 from __future__ import annotations
@@ -54,16 +53,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxgpt import files
 from jaxgpt.config import Config, ModelConfig
 from jaxgpt.errors import UserError
 from jaxgpt.hf.weights import Tensors
-from jaxgpt.tokenizer import EOT_ID  # GPT-2's <|endoftext|>: bos and eos, as jaxgpt has no other tokenizer
+from jaxgpt.tokenizer import EOT_ID  # GPT-2's <|endoftext|>: bos and eos (an export sets the run's tokenizer's)
 
 ARCHITECTURE = "LlamaForCausalLM"
-EPS = 1e-5  # jaxgpt's norms (model.Norm)
 
 # model.* key -> (Llama's value, why Llama cannot hold another)
 _LLAMA = {"norm": ("rmsnorm", "Llama's norms are RMSNorm"),
@@ -138,6 +137,8 @@ def _layer_tensors(blocks: dict, m: ModelConfig, mlp: Mlp) -> dict[str, np.ndarr
         qb, kb, vb = (a["q_bias"], a["kv_bias"][:, 0], a["kv_bias"][:, 1]) if m.bias else (None,) * 3
     out = {"input_layernorm.weight": blocks["ln_1"]["scale"],
            "post_attention_layernorm.weight": blocks["ln_2"]["scale"],
+           **({"self_attn.q_norm.weight": a["q_norm"]["scale"], "self_attn.k_norm.weight": a["k_norm"]["scale"]}
+              if m.qk_norm else {}),
            "self_attn.q_proj.weight": _linear(q, D), "self_attn.k_proj.weight": _linear(k, D),
            "self_attn.v_proj.weight": _linear(v, D), "self_attn.o_proj.weight": _linear(a["c_proj_kernel"], H * K)}
     if m.bias:
@@ -150,6 +151,7 @@ def _layer_shapes(m: ModelConfig, mlp: Mlp) -> dict[str, tuple[int, ...]]:
     """{name under model.layers.i: its HF shape}."""
     D, H, G, K = m.n_embd, m.n_head, m.kv_heads, m.head_dim
     shapes = {"input_layernorm.weight": (D,), "post_attention_layernorm.weight": (D,),
+              **({"self_attn.q_norm.weight": (K,), "self_attn.k_norm.weight": (K,)} if m.qk_norm else {}),
               "self_attn.q_proj.weight": (H * K, D), "self_attn.k_proj.weight": (G * K, D),
               "self_attn.v_proj.weight": (G * K, D), "self_attn.o_proj.weight": (D, H * K)}
     if m.bias:
@@ -165,7 +167,7 @@ def to_hf(params: dict, model_cfg: ModelConfig, mlp: Mlp = DENSE, stack: tuple[s
     m = model_cfg
     f32 = lambda x: np.ascontiguousarray(np.asarray(x, np.float32))  # noqa: E731
     blocks = functools.reduce(operator.getitem, stack, params)
-    blocks = {group: {key: np.asarray(x, np.float32) for key, x in sub.items()} for group, sub in blocks.items()}
+    blocks = jax.tree.map(lambda x: np.asarray(x, np.float32), blocks)
     out = {"model.embed_tokens.weight": f32(np.asarray(params["wte"])[: m.vocab_size]),
            "model.norm.weight": f32(params["ln_f"]["scale"])}
     if not m.tie_embeddings:
@@ -224,6 +226,8 @@ def from_hf(tensors: dict[str, np.ndarray], model_cfg: ModelConfig, mlp: Mlp = D
                      "kv_bias": np.stack([bias[n].reshape(L, G, K) for n in "kv"], axis=1)}
     if m.bias:
         attn["c_proj_bias"] = hf["self_attn.o_proj.bias"]
+    if m.qk_norm:  # Qwen3's: one [K] scale for every head's queries, one for its keys
+        attn |= {"q_norm": {"scale": hf["self_attn.q_norm.weight"]}, "k_norm": {"scale": hf["self_attn.k_norm.weight"]}}
     blocks = {"ln_1": {"scale": hf["input_layernorm.weight"]}, "ln_2": {"scale": hf["post_attention_layernorm.weight"]},
               "attn": attn, "mlp": mlp.params(hf, m)}
     for key in reversed(stack):
@@ -237,7 +241,7 @@ def hf_config(model_cfg: ModelConfig) -> dict[str, Any]:
     return {"architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": m.vocab_size,
             "hidden_size": m.n_embd, "intermediate_size": m.mlp_width, "num_hidden_layers": m.n_layer,
             "num_attention_heads": m.n_head, "num_key_value_heads": m.kv_heads, "head_dim": m.head_dim,
-            "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": EPS,
+            "hidden_act": "silu", "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps,
             "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
             "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": 0.0,
             "tie_word_embeddings": m.tie_embeddings, "bos_token_id": EOT_ID, "eos_token_id": EOT_ID, "dtype": "float32"}
@@ -263,34 +267,37 @@ def _rope(hf_cfg: dict[str, Any]) -> tuple[float, str]:
     return theta, kind
 
 
-def model_overrides(hf_cfg: dict[str, Any], sizes: dict[str, tuple[str, Any]] = _SIZES) -> dict[str, Any]:
+def model_overrides(hf_cfg: dict[str, Any], sizes: dict[str, tuple[str, Any]] = _SIZES, fixed: dict = _LLAMA,
+                    eps_default: float = 1e-6) -> dict[str, Any]:
     """config.json -> the model.* keys it implies, the architecture keys included (`sizes`: the
-    config.json key -> (our key, the class's default) table, Mixtral's in mixtral.py)."""
+    config.json key -> (our key, the class's default) table, `fixed`: the architecture keys the
+    class fixes, and its rms_norm_eps default; Mixtral's and Qwen3's in mixtral.py and qwen3.py)."""
     ours = {key: hf_cfg.get(name, default) for name, (key, default) in sizes.items()}
     kv = hf_cfg.get("num_key_value_heads") or ours["model.n_head"]
+    head_dim = hf_cfg.get("head_dim") or ours["model.n_embd"] // ours["model.n_head"]
     return ours | {"model.n_kv_head": kv, "model.rope_theta": _rope(hf_cfg)[0],
+                   "model.head_size": 0 if head_dim * ours["model.n_head"] == ours["model.n_embd"] else head_dim,
+                   "model.norm_eps": float(hf_cfg.get("rms_norm_eps", eps_default)),
                    "model.tie_embeddings": hf_cfg.get("tie_word_embeddings", False),
                    "model.bias": hf_cfg.get("attention_bias", False)} | {
-        f"model.{k}": v for k, (v, _) in _LLAMA.items()}
+        f"model.{k}": v for k, (v, _) in fixed.items()}
 
 
 def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path,
                  overrides: Callable[[dict[str, Any]], dict[str, Any]] = model_overrides,
-                 name: str = "Llama", fixed: Sequence[tuple[str, Any, Any]] = (), eps_default: float = 1e-6) -> None:
-    """UserError (one line) unless config.json describes exactly the Llama (or, with Mixtral's
-    `overrides`, `fixed` (key, value there, the one value jaxgpt holds) and its rms_norm_eps default,
-    the Mixtral) that `m` is."""
+                 name: str = "Llama", fixed: Sequence[tuple[str, Any, Any]] = ()) -> None:
+    """UserError (one line) unless config.json describes exactly the Llama (or, with another class's
+    `overrides` and `fixed` (key, value there, the one value jaxgpt holds), the Mixtral or Qwen3)
+    that `m` is."""
     theta, kind = _rope(hf_cfg)
-    D, H = hf_cfg.get("hidden_size", 4096), hf_cfg.get("num_attention_heads", 32)
-    fixed = [("hidden_act", hf_cfg.get("hidden_act", "silu"), "silu"),
-             ("rms_norm_eps", hf_cfg.get("rms_norm_eps", eps_default), EPS), ("rope_type", kind, "default"),
-             ("head_dim", hf_cfg.get("head_dim") or D // H, D // H),
+    fixed = [("hidden_act", hf_cfg.get("hidden_act", "silu"), "silu"), ("rope_type", kind, "default"),
              ("mlp_bias", hf_cfg.get("mlp_bias", False), hf_cfg.get("attention_bias", False)), *fixed]
     for key, have, want in fixed:
         if have != want:
             raise UserError(f"{source}: {key}={have!r} is not supported (jaxgpt's {name} has {want!r}"
                             + (", as attention_bias: one model.bias for both)" if key == "mlp_bias" else ")"))
-    widths = {"model.n_kv_head": m.kv_heads, "model.mlp_hidden": m.mlp_width, "model.moe_mlp_hidden": m.expert_width}
+    widths = {"model.n_kv_head": m.kv_heads, "model.mlp_hidden": m.mlp_width, "model.moe_mlp_hidden": m.expert_width,
+              "model.head_size": 0 if m.head_dim * m.n_head == m.n_embd else m.head_dim}
     wrong = []
     for key, want in overrides(hf_cfg).items():
         have = widths.get(key, getattr(m, key.removeprefix("model.")))

@@ -45,7 +45,8 @@ _STACK = ("groups", "moe")  # where an MoE model keeps its blocks (jaxgpt/model/
 _MIXTRAL = {"moe_every": (1, "every Mixtral block is MoE"),
             "moe_shared_experts": (0, "Mixtral has no shared experts"),
             "bias": (False, "Mixtral's linears have no biases"),
-            "moe_balance": ("aux", "Mixtral's router has no balancing bias")}
+            "moe_balance": ("aux", "Mixtral's router has no balancing bias"),
+            "moe_norm_topk": (True, "Mixtral renormalises its top-k router weights")}
 
 
 def blockers(m: ModelConfig) -> list[str]:
@@ -54,35 +55,38 @@ def blockers(m: ModelConfig) -> list[str]:
                                 if getattr(m, k) != v]
 
 
-def _expert_names(m: ModelConfig, w: str) -> list[str]:
-    return [f"{_MOE}.experts.{e}.{w}.weight" for e in range(m.moe_experts)]
+def experts(router: str, expert: str, names: dict[str, str]) -> llama.Mlp:
+    """The mapping of a layer's router and experts (Mixtral's, Qwen3-MoE's): `router` the router's
+    tensor name, `expert` the format of an expert's (e and w filled in), `names` our gate, in and
+    out kernels' HF names (w)."""
+    def expert_names(m: ModelConfig, w: str) -> list[str]:
+        return [expert.format(e=e, w=w) for e in range(m.moe_experts)]
+
+    def tensors(f: dict, m: ModelConfig) -> dict[str, np.ndarray]:
+        out = {router: f["router_kernel"].swapaxes(1, 2)}
+        for ours, w in names.items():
+            torch_LEoi = f[ours].swapaxes(2, 3)
+            out |= {name: torch_LEoi[:, e] for e, name in enumerate(expert_names(m, w))}
+        return out
+
+    def shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
+        D, E, F = m.n_embd, m.moe_experts, m.expert_width
+        out = {router: (E, D)}
+        for ours, w in names.items():
+            out |= dict.fromkeys(expert_names(m, w), (D, F) if ours == "c_proj_kernel" else (F, D))
+        return out
+
+    def params(hf: dict[str, np.ndarray], m: ModelConfig) -> dict:
+        def stacked(w: str) -> np.ndarray:  # E x [L, out, in] -> our [L, E, in, out]
+            return np.stack([hf[name] for name in expert_names(m, w)], axis=1).swapaxes(2, 3)
+
+        return {"router_kernel": hf[router].swapaxes(1, 2), **{ours: stacked(w) for ours, w in names.items()}}
+
+    return llama.Mlp(tensors, shapes, params)
 
 
-def _moe_tensors(f: dict, m: ModelConfig) -> dict[str, np.ndarray]:
-    out = {f"{_MOE}.gate.weight": f["router_kernel"].swapaxes(1, 2)}
-    for w, ours in (("w1", "c_gate_kernel"), ("w3", "c_fc_kernel"), ("w2", "c_proj_kernel")):
-        torch_LEoi = f[ours].swapaxes(2, 3)
-        out |= {name: torch_LEoi[:, e] for e, name in enumerate(_expert_names(m, w))}
-    return out
-
-
-def _moe_shapes(m: ModelConfig) -> dict[str, tuple[int, ...]]:
-    D, E, F = m.n_embd, m.moe_experts, m.expert_width
-    shapes = {f"{_MOE}.gate.weight": (E, D)}
-    for w, shape in (("w1", (F, D)), ("w3", (F, D)), ("w2", (D, F))):
-        shapes |= dict.fromkeys(_expert_names(m, w), shape)
-    return shapes
-
-
-def _moe_params(hf: dict[str, np.ndarray], m: ModelConfig) -> dict:
-    def experts(w: str) -> np.ndarray:  # E x [L, out, in] -> our [L, E, in, out]
-        return np.stack([hf[name] for name in _expert_names(m, w)], axis=1).swapaxes(2, 3)
-
-    return {"router_kernel": hf[f"{_MOE}.gate.weight"].swapaxes(1, 2), "c_gate_kernel": experts("w1"),
-            "c_fc_kernel": experts("w3"), "c_proj_kernel": experts("w2")}
-
-
-MOE = llama.Mlp(_moe_tensors, _moe_shapes, _moe_params)
+MOE = experts(f"{_MOE}.gate.weight", _MOE + ".experts.{e}.{w}.weight",
+              {"c_gate_kernel": "w1", "c_fc_kernel": "w3", "c_proj_kernel": "w2"})
 
 
 def to_hf(params: dict, model_cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -116,10 +120,10 @@ CONFIG_SHAPE = {k: v for k, v in llama.CONFIG_SHAPE.items() if k not in ("attent
 
 def model_overrides(hf_cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json -> the model.* keys it implies, the architecture keys included."""
-    return llama.model_overrides(hf_cfg, _SIZES) | {f"model.{k}": v for k, (v, _) in _MIXTRAL.items()}
+    return llama.model_overrides(hf_cfg, _SIZES, eps_default=1e-5) | {f"model.{k}": v for k, (v, _) in _MIXTRAL.items()}
 
 
 def check_config(hf_cfg: dict[str, Any], m: ModelConfig, source: Path) -> None:
     """UserError (one line) unless config.json describes exactly the Mixtral that `m` is."""
     llama.check_config(hf_cfg, m, source, model_overrides, "Mixtral",
-                       [("sliding_window", hf_cfg.get("sliding_window"), None)], eps_default=1e-5)
+                       [("sliding_window", hf_cfg.get("sliding_window"), None)])

@@ -1,4 +1,17 @@
-"""GPT-2's tokenizer as Hugging Face files, built from the vocabulary jaxgpt ships (no download).
+"""A run's tokenizer as Hugging Face files (`write`): GPT-2's built from the vocabulary jaxgpt ships
+(no download), a tokenizer.json copied as it is, a tiktoken BPE file converted.
+
+A run trained with a tokenizer.json (Qwen's, one `hf import` brought) exports that file, its
+tokenizer_config.json and chat_template.jinja unchanged. A tiktoken BPE file (Llama 3's
+tokenizer.model) is converted as transformers' `TikTokenConverter` converts it, with the
+`tokenizers` library: byte-level BPE of its ranks (every split of each token into two others is a
+merge, in rank order, and `ignore_merges` takes a whole pre-token found in the vocabulary as
+tiktoken does), Llama 3's split pattern, its special tokens after the ranks. Both conversions
+record the source's identity in tokenizer_config.json (jaxgpt/tokenizer.py `RECORD`), so the
+export, imported, is the same tokenizer to jaxgpt. tests/test_tokenizers.py checks AutoTokenizer
+on the files against jaxgpt's ids.
+
+GPT-2's files:
 
 tiktoken keeps a byte-level BPE as {token bytes: rank}; Hugging Face keeps the same BPE as a
 vocabulary of *strings* and an ordered list of merges. Two translations turn one into the other:
@@ -25,28 +38,20 @@ encodes and decodes exactly as jaxgpt's tiktoken encoding.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
-from jaxgpt.tokenizer import EOT_ID, EOT_TEXT, mergeable_ranks
+from jaxgpt import tokenizer as tokenizers_
+from jaxgpt.tokenizer import EOT_ID, EOT_TEXT, HF_CONFIG, HF_FILE, RECORD, TEMPLATE_FILE, byte_to_char, mergeable_ranks
 
 FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-@functools.cache
-def _byte_to_char() -> tuple[str, ...]:
-    """GPT-2's table: byte b -> the printable character that stands for it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, moved = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + moved)
-            moved += 1
-    return tuple(table[b] for b in range(256))
+ALL_FILES = (*FILES, TEMPLATE_FILE)  # what any export may write
 
 
 def _text(token: bytes) -> str:
-    table = _byte_to_char()
+    table = byte_to_char()
     return "".join(table[b] for b in token)
 
 
@@ -94,22 +99,76 @@ def _tokenizer_json(vocab: dict[str, int], merges: list[tuple[str, str]]) -> dic
     }
 
 
-def write(out_dir: Path, model_max_length: int) -> list[str]:
-    """Writes FILES into out_dir (which must exist); returns their names."""
+def write(out_dir: Path, model_max_length: int, tok: tokenizers_.Tokenizer | None = None,
+          chat_template: str | None = None) -> list[str]:
+    """Writes `tok`'s files (default GPT-2's) into out_dir (which must exist); returns their names.
+    `chat_template`: the template the run was fine-tuned with, for a tokenizer without its own."""
     out_dir = Path(out_dir)
+    if tok is None or tok.name == tokenizers_.TOKENIZER_NAME:
+        return _write_gpt2(out_dir, model_max_length, chat_template)
+    if tok.kind == "hf":
+        names = [HF_FILE]
+        shutil.copyfile(tok.path, out_dir / HF_FILE)
+        for name in (HF_CONFIG, TEMPLATE_FILE):
+            if (tok.path.parent / name).is_file():
+                shutil.copyfile(tok.path.parent / name, out_dir / name)
+                names.append(name)
+        if HF_CONFIG not in names:
+            _dump(out_dir, HF_CONFIG, {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos,
+                                       "eos_token": tok.eos, "model_max_length": model_max_length,
+                                       **({"chat_template": chat_template} if chat_template else {})})
+            names.append(HF_CONFIG)
+        return names
+    data = _converted(tok).encode("utf-8")
+    (out_dir / HF_FILE).write_bytes(data)
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "backend": "tokenizers", "bos_token": tok.bos,
+              "eos_token": tok.eos, "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
+              **({"chat_template": tok.chat_template or chat_template} if tok.chat_template or chat_template else {}),
+              RECORD: {"sha256": tok.sha256, "json_sha256": hashlib.sha256(data).hexdigest()}}
+    _dump(out_dir, HF_CONFIG, config)
+    return [HF_FILE, HF_CONFIG]
+
+
+def _dump(out_dir: Path, name: str, obj) -> None:
+    (out_dir / name).write_text(json.dumps(obj, ensure_ascii=False, indent=None if name == HF_FILE else 2) + "\n",
+                                encoding="utf-8")
+
+
+def _write_gpt2(out_dir: Path, model_max_length: int, chat_template: str | None) -> list[str]:
     vocab, merges = _vocab_and_merges()
     special = {"bos_token": EOT_TEXT, "eos_token": EOT_TEXT, "unk_token": EOT_TEXT}
+    _dump(out_dir, "vocab.json", vocab)
+    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
+    _dump(out_dir, HF_FILE, _tokenizer_json(vocab, merges))
+    written = hashlib.sha256((out_dir / HF_FILE).read_bytes()).hexdigest()
     config = {"tokenizer_class": "GPT2Tokenizer", "backend": "tokenizers", **special, "pad_token": None,
               "add_prefix_space": False, "errors": "replace", "model_max_length": model_max_length,
-              "clean_up_tokenization_spaces": False}
-
-    def dump(name: str, obj) -> None:
-        (out_dir / name).write_text(json.dumps(obj, ensure_ascii=False, indent=None if name == "tokenizer.json"
-                                               else 2) + "\n", encoding="utf-8")
-
-    dump("vocab.json", vocab)
-    (out_dir / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8")
-    dump("tokenizer.json", _tokenizer_json(vocab, merges))
-    dump("tokenizer_config.json", config)
-    dump("special_tokens_map.json", special)
+              "clean_up_tokenization_spaces": False, **({"chat_template": chat_template} if chat_template else {}),
+              RECORD: {"sha256": tokenizers_.vocab_sha256(), "json_sha256": written}}
+    _dump(out_dir, HF_CONFIG, config)
+    _dump(out_dir, "special_tokens_map.json", special)
     return list(FILES)
+
+
+def _converted(tok: tokenizers_.Tokenizer) -> str:
+    """A tiktoken tokenizer (Llama 3's kind) as tokenizer.json text (module docstring)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    ranks = tok.ranks
+    vocab = {_text(token): rank for token, rank in ranks.items()}
+    merges = []
+    for token, rank in ranks.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in ranks and token[i:] in ranks]
+        merges += [(rank, ranks[a], ranks[b], a, b) for a, b in local]
+    merges.sort()
+    model = models.BPE(vocab=vocab, merges=[(_text(a), _text(b)) for *_, a, b in merges], fuse_unk=False,
+                       ignore_merges=True)
+    out = Tokenizer(model)
+    out.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tok.enc._pat_str), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    out.decoder = decoders.ByteLevel()
+    out.post_processor = processors.ByteLevel(trim_offsets=False)
+    out.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, _ in sorted(tok.specials.items(), key=lambda item: item[1])])
+    return out.to_str()

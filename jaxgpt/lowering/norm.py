@@ -24,19 +24,19 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.model.ops import EPS  # the reference form's
+EPS = 1e-5  # model.norm_eps's default
 
 
 def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool,
-              keep_stats: bool = False) -> jax.Array:
+              keep_stats: bool = False, eps: float = EPS) -> jax.Array:
     """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None.
     keep_stats: the forward keeps each row's mean and rstd for the backward, which otherwise
-    recomputes them."""
-    return _norm(x, scale, bias, rms, keep_stats, False)
+    recomputes them. eps: model.norm_eps."""
+    return _norm(x, scale, bias, rms, keep_stats, False, eps)
 
 
 def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
-                        rms: bool) -> tuple[jax.Array, jax.Array]:
+                        rms: bool, eps: float = EPS) -> tuple[jax.Array, jax.Array]:
     """(`normalize` keeping the statistics, an upper bound on max |y|: fp32, no gradient), for a
     norm that feeds an fp8 GEMM, whose e4m3 cast needs max |y| for its scale (fp8.py `quantize`'s
     amax; trick `norm_amax`). |y_j| <= |x_j - mean| rstd |scale_j| + |bias_j|, so the bound is the
@@ -46,15 +46,15 @@ def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array |
     As activation_amax's, a bound:
     the largest value then lands in (fmax/4, fmax] where |scale| and |bias| do not peak at the
     largest deviation, not (fmax/2, fmax]."""
-    return _norm(x, scale, bias, rms, True, True)
+    return _norm(x, scale, bias, rms, True, True, eps)
 
 
-def _stats(x32: jax.Array, rms: bool, deviation: bool = False) -> tuple:
+def _stats(x32: jax.Array, rms: bool, eps: float, deviation: bool = False) -> tuple:
     """Per row: the mean [..., 1] (None for RMSNorm) and rstd [..., 1], fp32; with `deviation`
     also max |x - mean| [..., 1], a reduction of the variance's pass."""
     mean = None if rms else x32.mean(-1, keepdims=True)
     centred = x32 if rms else x32 - mean
-    rstd = jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + EPS)
+    rstd = jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + eps)
     if not deviation:
         return mean, rstd
     return mean, rstd, jnp.max(jnp.abs(centred), -1, keepdims=True)
@@ -80,24 +80,24 @@ def _apply(x, mean, rstd, scale, bias) -> jax.Array:
     return y.astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm(x, scale, bias, rms, keep_stats, with_amax):
-    return _norm_fwd(x, scale, bias, rms, keep_stats, with_amax)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _norm(x, scale, bias, rms, keep_stats, with_amax, eps):
+    return _norm_fwd(x, scale, bias, rms, keep_stats, with_amax, eps)[0]
 
 
-def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax):
+def _norm_fwd(x, scale, bias, rms, keep_stats, with_amax, eps):
     if with_amax:
-        mean, rstd, deviation = _stats(x.astype(jnp.float32), rms, deviation=True)
+        mean, rstd, deviation = _stats(x.astype(jnp.float32), rms, eps, deviation=True)
         y = (_apply(x, mean, rstd, scale, bias), _amax_bound(deviation, rstd, scale, bias))
     else:
-        mean, rstd = _stats(x.astype(jnp.float32), rms)
+        mean, rstd = _stats(x.astype(jnp.float32), rms, eps)
         y = _apply(x, mean, rstd, scale, bias)
     if not keep_stats:
         return y, (x, None, None, scale, bias)
     return y, (x, mean, rstd, scale, bias)
 
 
-def _norm_bwd(rms, keep_stats, with_amax, res, g):
+def _norm_bwd(rms, keep_stats, with_amax, eps, res, g):
     g = g[0] if with_amax else g  # the bound has no gradient
     x, mean, rstd, scale, bias = res
     rows = tuple(range(x.ndim - 1))
@@ -111,7 +111,7 @@ def _norm_bwd(rms, keep_stats, with_amax, res, g):
         gs_mean = None if rms else jnp.mean(gs, axis=-1, keepdims=True)
         gs_xhat_mean = jnp.mean(gs * xhat, axis=-1, keepdims=True)
     else:
-        xhat, rstd, gs_mean, gs_xhat_mean = _recomputed(x, gs, rms)
+        xhat, rstd, gs_mean, gs_xhat_mean = _recomputed(x, gs, rms, eps)
     dscale = None if scale is None else jnp.sum(g32 * xhat, axis=rows).astype(scale.dtype)
     dbias = None if bias is None else jnp.sum(g32, axis=rows).astype(bias.dtype)
     dx = gs - xhat * gs_xhat_mean
@@ -120,7 +120,7 @@ def _norm_bwd(rms, keep_stats, with_amax, res, g):
     return (dx * rstd).astype(x.dtype), dscale, dbias
 
 
-def _recomputed(x: jax.Array, gs: jax.Array, rms: bool) -> tuple:
+def _recomputed(x: jax.Array, gs: jax.Array, rms: bool, eps: float) -> tuple:
     """xhat, rstd and the backward's two row means, mean_D(gs) (None for RMSNorm) and mean_D(gs xhat),
     from one pass over x and g: the row sums of x, x^2, gs and gs x. Sums of x and x^2 lose the
     variance to cancellation where a row's mean is large against its spread, so LayerNorm's are of
@@ -131,10 +131,10 @@ def _recomputed(x: jax.Array, gs: jax.Array, rms: bool) -> tuple:
     d = x32 if rms else x32 - x[..., :1].astype(jnp.float32)
     s2, sgd = jnp.sum(d * d, -1, keepdims=True) / n, jnp.sum(gs * d, -1, keepdims=True) / n
     if rms:
-        rstd = jax.lax.rsqrt(s2 + EPS)
+        rstd = jax.lax.rsqrt(s2 + eps)
         return d * rstd, rstd, None, rstd * sgd
     s1, sg = jnp.sum(d, -1, keepdims=True) / n, jnp.sum(gs, -1, keepdims=True) / n
-    rstd = jax.lax.rsqrt(jnp.maximum(s2 - s1 * s1, 0.0) + EPS)
+    rstd = jax.lax.rsqrt(jnp.maximum(s2 - s1 * s1, 0.0) + eps)
     return (d - s1) * rstd, rstd, sg, rstd * (sgd - s1 * sg)
 
 

@@ -191,7 +191,7 @@ class Lowering(Ops):
             return super().norm(x, scale, bias, rms, before)
         flatten, feeds_fp8 = before != "scores", _FEEDS.get(before) in self.fp8
         if feeds_fp8 and flatten and self.on("norm_amax"):
-            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), scale, bias, rms)
+            y, amax = normalize_with_amax(x.reshape(-1, x.shape[-1]), scale, bias, rms, self.cfg.norm_eps)
             return Operand(y.reshape(x.shape), amax=amax)
         routes = (self.on("routed_bias") and before in _FEEDS and bias is not None and self.epilogues(feeds_fp8))
         y = self._normalize(x, scale, jax.lax.stop_gradient(bias) if routes else bias, rms, flatten, feeds_fp8)
@@ -202,7 +202,7 @@ class Lowering(Ops):
             return super().norm(x, scale, bias, rms)
         x_ND = x.reshape(-1, x.shape[-1]) if flatten else x  # as [B*T, D] rows: its column sums over one axis
         keep_stats = not (self.on("norm_recompute") and self.epilogues(feeds_fp8))
-        return normalize(x_ND, scale, bias, rms, keep_stats).reshape(x.shape)
+        return normalize(x_ND, scale, bias, rms, keep_stats, self.cfg.norm_eps).reshape(x.shape)
 
     def activation(self, kind, h, gate=None, into="mlp_out"):
         dense_mlp = into == "mlp_out"

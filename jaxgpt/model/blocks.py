@@ -49,7 +49,8 @@ class MoE(nnx.Module):
                           self.c_proj_kernel[...], value(self.c_proj_bias))
         y_BTD, stats = moe_mlp(x_BTD, self.router_kernel[...], experts, self.ops, mlp=self.cfg.mlp,
                                top_k=self.cfg.moe_top_k, capacity_factor=self.cfg.moe_capacity_factor, drop=drop,
-                               dispatch=self.cfg.moe_dispatch, bias_E=value(self.router_bias))
+                               dispatch=self.cfg.moe_dispatch, bias_E=value(self.router_bias),
+                               norm_topk=self.cfg.moe_norm_topk)
         if self.shared is not None:
             y_BTD = y_BTD + self.shared(x_BTD)
         return y_BTD, stats

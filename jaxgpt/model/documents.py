@@ -50,13 +50,15 @@ class Documents(NamedTuple):
     at_T: jax.Array
 
 
-def documents(tokens_BT: jax.Array, pos: jax.Array | int = 0, start_B: jax.Array | None = None) -> Documents:
+def documents(tokens_BT: jax.Array, pos: jax.Array | int = 0, start_B: jax.Array | None = None,
+              separator: int = EOT_ID) -> Documents:
     """The documents of tokens sitting at positions pos, pos+1, ...; `start_B` is where the
-    document running into them started (decoding: the cache's `doc_start`; default pos)."""
+    document running into them started (decoding: the cache's `doc_start`; default pos).
+    `separator`: the id that begins a document (model.document_token; GPT-2's <|endoftext|>)."""
     T = tokens_BT.shape[1]
     at_T = pos + jnp.arange(T, dtype=jnp.int32)
     carried_B = jnp.full(tokens_BT.shape[:1], pos, jnp.int32) if start_B is None else start_B
-    begins_BT = jnp.where(tokens_BT == EOT_ID, at_T[None, :], carried_B[:, None])
+    begins_BT = jnp.where(tokens_BT == separator, at_T[None, :], carried_B[:, None])
     start_BT = jax.lax.cummax(begins_BT, axis=1)
     return Documents(start_BT, at_T[None, :] - start_BT, at_T)
 
@@ -81,11 +83,11 @@ def visible(docs: Documents, key_pos_S: jax.Array) -> jax.Array:
     return (key_11S >= docs.start_BT[:, :, None]) & (key_11S <= docs.at_T[None, :, None])
 
 
-def window_stats(tokens_BT: jax.Array) -> dict[str, jax.Array]:
+def window_stats(tokens_BT: jax.Array, separator: int = EOT_ID) -> dict[str, jax.Array]:
     """fp32 means over the rows: `docs_per_window` (documents a window holds, the cut ones
     counted) and `masked_pairs` (of the T(T+1)/2 causal pairs, the share masking removes)."""
     T = tokens_BT.shape[1]
-    docs = documents(tokens_BT)
+    docs = documents(tokens_BT, separator=separator)
     count_B = jnp.sum(docs.position_BT == 0, axis=1)
     hidden_B = jnp.sum(docs.start_BT, axis=1)  # query t loses keys 0 .. start[t] - 1
     return {"docs_per_window": jnp.mean(count_B.astype(jnp.float32)),

@@ -148,10 +148,11 @@ class GPT(nnx.Module):
         continuing the cache's latest document when decoding; None without document masking.
         Training under context parallelism: always, in its device order (the mask reads them)."""
         if cache is not None:
-            return documents(tokens_BT, cache.pos, cache.doc_start) if self.cfg.document_mask else None
+            return (documents(tokens_BT, cache.pos, cache.doc_start, self.cfg.document_token)
+                    if self.cfg.document_mask else None)
         cp = balanced_ways(tokens_BT.shape[1])
         if self.cfg.document_mask:
-            return reordered(documents(tokens_BT), cp)
+            return reordered(documents(tokens_BT, separator=self.cfg.document_token), cp)
         return reordered(whole_windows(*tokens_BT.shape), cp) if cp_ways() > 1 else None
 
     def run_blocks(self, x_BTD: jax.Array, docs: Documents | None = None) -> tuple[jax.Array, MoEStats | None]:
@@ -228,8 +229,9 @@ def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = 
     mats = 3 if cfg.mlp == "swiglu" else 2
     mlp = mats * D * F + b * ((mats - 1) * F + D)
     norm = int(cfg.norm_scale) + b * (cfg.norm == "layernorm")  # parameters per normalised feature
-    qkv = (D + b) * (D + 2 * cfg.kv_heads * K)
-    per_block = 2 * norm * D + qkv + (D * D + b * D) + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
+    qkv = (D + b) * (cfg.n_head * K + 2 * cfg.kv_heads * K)
+    attn_out = cfg.n_head * K * D + b * D
+    per_block = 2 * norm * D + qkv + attn_out + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
     moe_blocks = L // cfg.moe_every if cfg.moe_experts else 0
     experts = cfg.moe_top_k if active else cfg.moe_experts
     Fe, S = cfg.expert_width, cfg.moe_shared_experts

@@ -38,7 +38,7 @@ def value(p: nnx.Param | None) -> jax.Array | None:
 
 
 class Norm(nnx.Module):
-    """LayerNorm (GPT-2) or RMSNorm over the last axis, eps 1e-5: a learned scale unless
+    """LayerNorm (GPT-2) or RMSNorm over the last axis, eps model.norm_eps: a learned scale unless
     model.norm_scale=false, a bias for LayerNorm with model.bias. `axis` names the normalised
     dimension ('embed', or 'head_dim' for qk-norm, always RMS); `before`, what reads the output
     ('attn', 'mlp', 'moe', 'head', 'scores'), is for the lowering (model/ops.py)."""

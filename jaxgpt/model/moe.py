@@ -6,7 +6,8 @@ default the dense MLP's; each expert is the dense MLP's kind, so with model.mlp=
 of three matmuls). Shared experts (model.moe_shared_experts) are a dense MLP in blocks.py.
 
 Routing. The router is a [D, E] matmul in fp32; softmax over E, the top K experts per token, their
-probabilities renormalised to sum to 1 (the combine weights). Each expert then takes at most
+probabilities renormalised to sum to 1 (the combine weights; model.moe_norm_topk=false keeps them
+as they are, Qwen3-MoE's norm_topk_prob=false). Each expert then takes at most
 C = min(S, ceil(K * S * moe_capacity_factor / E)) tokens *per group*; assignments past that are
 dropped (the token's residual stream passes the layer unchanged for that expert). Priority is
 choice-major, as in GShard: every token's first choice is placed before any second choice, and
@@ -95,19 +96,22 @@ def _top_k(probs_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
 
 
-def select(logits_GSE: jax.Array, top_k: int, bias_E: jax.Array | None = None
+def select(logits_GSE: jax.Array, top_k: int, bias_E: jax.Array | None = None, norm_topk: bool = True
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(probs_GSE, weight_GSK, expert_GSK): the top-k experts per token and their renormalised
-    router probabilities. With a routing bias (model.moe_balance=bias) the experts are chosen by
-    probability + bias but weighted by probability alone (DeepSeek-V3): the bias steers the load
-    without entering the function the experts compute."""
+    """(probs_GSE, weight_GSK, expert_GSK): the top-k experts per token and their router
+    probabilities, renormalised to sum to 1 (`norm_topk`, model.moe_norm_topk) or as they are.
+    With a routing bias (model.moe_balance=bias) the experts are chosen by probability + bias but
+    weighted by probability alone (DeepSeek-V3): the bias steers the load without entering the
+    function the experts compute."""
     probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
     if bias_E is None:
         weight_GSK, expert_GSK = _top_k(probs_GSE, top_k)
     else:
         expert_GSK = _top_k(probs_GSE + jax.lax.stop_gradient(bias_E), top_k)[1]
         weight_GSK = jnp.take_along_axis(probs_GSE, expert_GSK, axis=-1)
-    return probs_GSE, weight_GSK / jnp.sum(weight_GSK, axis=-1, keepdims=True), expert_GSK
+    if norm_topk:
+        weight_GSK = weight_GSK / jnp.sum(weight_GSK, axis=-1, keepdims=True)
+    return probs_GSE, weight_GSK, expert_GSK
 
 
 def _stats(logits_GSE: jax.Array, probs_GSE: jax.Array, chosen_GKSE: jax.Array, dropped: jax.Array) -> MoEStats:
@@ -119,11 +123,11 @@ def _stats(logits_GSE: jax.Array, probs_GSE: jax.Array, chosen_GKSE: jax.Array, 
     return MoEStats(aux, z, jax.lax.stop_gradient(dropped), load_E)
 
 
-def route(logits_GSE: jax.Array, top_k: int, slots: int, bias_E: jax.Array | None = None
+def route(logits_GSE: jax.Array, top_k: int, slots: int, bias_E: jax.Array | None = None, norm_topk: bool = True
           ) -> tuple[jax.Array, jax.Array, MoEStats]:
     """fp32 router logits -> (dispatch_GSEC in {0, 1}, combine_GSEC router weights, stats)."""
     G, S, E = logits_GSE.shape
-    probs_GSE, weight_GSK, expert_GSK = select(logits_GSE, top_k, bias_E)
+    probs_GSE, weight_GSK, expert_GSK = select(logits_GSE, top_k, bias_E, norm_topk)
     # choice-major priority: all first choices, then all second choices, ...
     chosen_GKSE = jax.nn.one_hot(expert_GSK.swapaxes(1, 2), E, dtype=jnp.int32)
     before_GKSE = jnp.cumsum(chosen_GKSE.reshape(G, top_k * S, E), axis=1).reshape(G, top_k, S, E) - 1
@@ -170,19 +174,20 @@ def expert_mlp(x_MD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, w: Expe
 
 def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, ops: Ops, *, mlp: str = "gelu", top_k: int,
             capacity_factor: float, drop: bool = True, dispatch: str = "capacity",
-            bias_E: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+            bias_E: jax.Array | None = None, norm_topk: bool = True) -> tuple[jax.Array, MoEStats]:
     """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
     (sampling) gives every expert room for the whole group, so no assignment is dropped and a
     prompt decodes the same token by token as at once. Each expert is an MLP of kind `mlp`
     (swiglu: three matmuls, the gate's named expert_gate). `dispatch`: capacity (the einsums
-    above) or dropless (jaxgpt/model/dropless.py); `bias_E`: the routing bias of moe_balance=bias."""
+    above) or dropless (jaxgpt/model/dropless.py); `bias_E`: the routing bias of moe_balance=bias;
+    `norm_topk`: model.moe_norm_topk (`select`)."""
     dt = x_BTD.dtype
     B, T, D = x_BTD.shape
     E = router_DE.shape[-1]
     logits_GSE = jnp.einsum("gsd,de->gse", x_BTD.astype(jnp.float32), router_DE.astype(jnp.float32))
     logits_GSE = shard(logits_GSE, "batch", "seq", "router")
     if dispatch == "dropless":
-        probs_GSE, weight_GSK, expert_GSK = select(logits_GSE, top_k, bias_E)
+        probs_GSE, weight_GSK, expert_GSK = select(logits_GSE, top_k, bias_E, norm_topk)
         chosen_GKSE = jax.nn.one_hot(expert_GSK.swapaxes(1, 2), E, dtype=jnp.int32)
         stats = _stats(logits_GSE, probs_GSE, chosen_GKSE, jnp.zeros((), jnp.float32))
         expert_fn = functools.partial(expert_mlp, w=w, mlp=mlp, ops=ops)
@@ -190,7 +195,7 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, ops: Ops, *, mlp
                         expert_fn, E)
         return shard(y_ND.reshape(B, T, D), "batch", "seq", "act_embed"), stats
     slots = capacity(top_k, T, E, capacity_factor) if drop else T
-    dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, top_k, slots, bias_E)
+    dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, top_k, slots, bias_E, norm_topk)
     dispatch_GSEC = shard(dispatch_GSEC.astype(dt), "batch", "seq", "router", None)
     combine_GSEC = shard(combine_GSEC.astype(dt), "batch", "seq", "router", None)
     # batch-split groups -> expert-split experts: the all-to-all over ep (GSPMD's, or ours where

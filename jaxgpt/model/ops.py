@@ -26,7 +26,6 @@ from jaxgpt.model.documents import Documents, visible
 from jaxgpt.parallel.context import to_device_order
 from jaxgpt.parallel.mesh import shard
 
-EPS = 1e-5  # the norms'
 _TINY = 1e-30
 
 
@@ -51,11 +50,12 @@ class Ops:
 
     def norm(self, x, scale, bias, rms: bool, before: str | None = None):
         """LayerNorm (rms=False) or RMSNorm of x over its last axis, in fp32, returned in x's dtype:
-        (x - mean) / sqrt(var + eps) * scale + bias (RMS: no mean, no bias); scale, bias None where
-        the norm has none. before: what reads the output ('attn', 'mlp', 'moe', 'head', 'scores')."""
+        (x - mean) / sqrt(var + eps) * scale + bias, eps model.norm_eps (RMS: no mean, no bias);
+        scale, bias None where the norm has none. before: what reads the output ('attn', 'mlp',
+        'moe', 'head', 'scores')."""
         x32 = x.astype(jnp.float32)
         centred = x32 if rms else x32 - x32.mean(-1, keepdims=True)
-        y = centred * jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + EPS)
+        y = centred * jax.lax.rsqrt(jnp.square(centred).mean(-1, keepdims=True) + self.cfg.norm_eps)
         y = y if scale is None else y * scale
         y = y if bias is None else y + bias
         return y.astype(x.dtype)
