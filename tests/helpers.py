@@ -31,7 +31,7 @@ def layer_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list
     """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
     are the ones with a vocabulary-sized dimension (the [V, D] embedding gradient they carry, the
     padded V or, where the loss takes the table's real rows on a CPU, the real one;
-    jaxgpt/model/loss.py)."""
+    jaxgpt/lowering/loss.py)."""
     return [body for body in while_bodies(hlo) if not _has_vocab_dim(body, padded_vocab, vocab)]
 
 

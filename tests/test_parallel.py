@@ -52,7 +52,7 @@ def test_layout_matches_single_device(layout, ops, single_device_losses, tmp_pat
 
 # bf16 with the default loss chunk (model.loss_chunk=0: TINY's pin undone), which each of these
 # layouts takes as one chunk of all 32 positions (2 to 4 rows per device; one device: micro-batches
-# of 2). XLA:CPU could not run that step in bf16 (issue 39; jaxgpt/model/loss.py `pins_dwte`). Both
+# of 2). XLA:CPU could not run that step in bf16 (issue 39; jaxgpt/lowering/loss.py `pins_dwte`). Both
 # steps run at the initial parameters (the first update has lr 0), so the losses are the fp32 single
 # device's, held to bf16's unit roundoff as in test_pipeline.py (pipelines: its bf16 matrix; dp=8:
 # test_cli.py's XLA-error test trains it first).

@@ -62,7 +62,7 @@ def test_pipeline_matches_single_device(layout, overrides, n, single_device, tmp
 
 # bf16 (issue 24: XLA:CPU aborted the process on every pp layout), with the default loss chunk
 # (model.loss_chunk=0, TINY's pin undone: issue 39, one chunk that XLA:CPU could not run in bf16;
-# jaxgpt/model/loss.py `pins_dwte`). Two steps, both at the initial
+# jaxgpt/lowering/loss.py `pins_dwte`). Two steps, both at the initial
 # parameters (the first update has lr 0: warmup starts from 0), so a layout's losses, gradient norms
 # and step-0 val_loss are the fp32 single device's on the same batches with activations in bf16:
 # fp32 reductions of bf16-rounded values, so each is held to bf16's unit roundoff, 2^-8 relative
