@@ -98,6 +98,30 @@ def _fp8_words(key: str, raw: Any) -> bool | str:
     return ",".join(k for k in BLOCK_LINEARS if k in kinds)
 
 
+# model.ops's tricks (jaxgpt/lowering/; docs/ops.md is their registry): tuned runs all of them
+TRICKS = ("norm_vjp", "norm_recompute", "routed_bias", "activation_vjps", "gelu_derivative", "residual_epilogue",
+          "qkv_gemms", "qkv_bias_drop", "precast", "grads_in_gemm", "tables_in_compute_dtype", "fused_loss",
+          "prequantize", "fp8_pieces", "fp8_pins", "norm_amax", "activation_amax", "h_fence")
+OPS_FORMS = ("auto", "reference", "tuned")
+
+
+def _ops_words(key: str, raw: Any) -> str:
+    """model.ops: auto, reference, tuned, or tricks separated by commas (written back in TRICKS
+    order, so equal lists read equal)."""
+    if not isinstance(raw, str):
+        raise UserError(f"config key '{key}' is one of {', '.join(OPS_FORMS)} or a comma-separated list of "
+                        f"tricks ({', '.join(TRICKS)}); got {_short(raw)}")
+    if raw.strip() in OPS_FORMS:
+        return raw.strip()
+    names = [k.strip() for k in raw.split(",") if k.strip()]
+    wrong = next((k for k in names if k not in TRICKS), None)
+    if not names or wrong:
+        hint = _nearest(wrong, [*OPS_FORMS, *TRICKS]) if wrong else ""
+        raise UserError(f"config key '{key}' is one of {', '.join(OPS_FORMS)} or a comma-separated list of "
+                        f"tricks ({', '.join(TRICKS)}); got {_short(raw)}{hint}")
+    return ",".join(k for k in TRICKS if k in names)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     n_layer: int = _f(4, "transformer blocks", range=POSITIVE)
@@ -148,6 +172,9 @@ class ModelConfig:
                          "H100/H200, jaxgpt/gpu/fp8_choice.py; none on CPU) or a list such as qkv,mlp_in,mlp_out "
                          "(of qkv, attn_out, mlp_in, mlp_gate, mlp_out, expert_in, expert_gate, expert_out)",
                          words=_fp8_words)
+    ops: str = _f("auto", "how the ops compute: reference (the model's plain maths, jaxgpt/model/ops.py), tuned "
+                  "(jaxgpt/lowering/'s fused and hand-written forms; docs/ops.md) or auto (tuned on a GPU, and on a "
+                  "CPU the form measured faster there); a list of tricks runs those alone", words=_ops_words)
     fp8_head: bool = _f(False, "also run the tied output head's matmul and its two gradients in fp8 inside the "
                         "fused loss (logits from e4m3 x e4m3; costs some loss, see docs/gpus.md)")
     remat: str = _f("none", "recompute activations in the backward pass: none, full, save only matmul "
@@ -639,12 +666,15 @@ def validate(cfg: Config, n_devices: int, data_vocab_size: int | None = None) ->
         if m.moe_dispatch == "dropless" and m.fp8_linears() & {"expert_in", "expert_gate", "expert_out"}:
             raise UserError("model.moe_dispatch=dropless runs its experts as ragged_dot grouped GEMMs, which have "
                             "no fp8 form here; set model.fp8=false or model.moe_dispatch=capacity")
+    if m.fp8_head and (m.ops == "reference" or m.ops not in OPS_FORMS and "fused_loss" not in m.ops.split(",")):
+        raise UserError("model.fp8_head runs inside the fused loss: it needs model.ops=tuned or auto (or a list "
+                        "with fused_loss)")
     if m.attention == "mosaic" and (m.document_mask or sizes["cp"] > 1):
         raise UserError("model.attention=mosaic runs plain causal attention only, not with "
                         f"{'model.document_mask' if m.document_mask else 'cp'}; use model.attention=auto or cudnn")
     if m.attention == "mosaic" and (manual := [a for a in ("pp", "dp", "ep") if sizes[a] > 1]):
         raise UserError(f"model.attention=mosaic cannot run with {manual[0]}={sizes[manual[0]]}: tokamax's kernels do "
-                        "not differentiate inside the train step's per-shard loop (jaxgpt/model/flash.py); split "
+                        "not differentiate inside the train step's per-shard loop (jaxgpt/lowering/flash.py); split "
                         "the batch with fsdp instead of dp, or use model.attention=auto or cudnn")
     if m.n_head % m.kv_heads:
         raise UserError(f"model.n_kv_head={m.n_kv_head} must divide model.n_head={m.n_head} (each key/value head "
@@ -703,28 +733,6 @@ def _validate_eval(cfg: Config, sizes: dict[str, int]) -> None:
     if sizes["pp"] > 1:
         raise UserError(f"eval.tasks: task scoring does not pipeline (pp={sizes['pp']}); score the checkpoints with "
                         f"python -m jaxgpt.evaluate instead")
-
-
-def weights_once_per_step(cfg: Config, sizes: dict[str, int]) -> bool:
-    """Whether the train step makes its block weights' copies (fp8: e4m3, the rest: the compute
-    dtype) once per step, before its micro-batch loop (jaxgpt/model/layers.py
-    `copies_once_per_step`), rather than in every micro-batch: a dense model's with no pipeline (a
-    pipeline gathers its stage weights itself; experts cast their own). With one micro-batch too:
-    the work is the same, and an fp8 weight's two layouts come from one kernel."""
-    return sizes.get("pp", 1) == 1 and not cfg.model.moe_experts
-
-
-def weight_grads_summed_in_gemm(cfg: Config, sizes: dict[str, int]) -> bool:
-    """Whether the train step sums the block weights' gradients over its micro-batches per layer,
-    inside the GEMMs that compute them (jaxgpt/model/layers.py `PrecastFp32Grad`): with micro-batches,
-    the copies once per step (`weights_once_per_step`) and the layers unrolled, each layer's
-    gradient is its own array. Not where automatic axes split the batch's rows (fsdp, cp: each GEMM's
-    partial gradient is reduced over them before the sum, and an fp32 one is twice the bytes), nor
-    with scanned layers (the gradients leave the loop as a stack). Any remat policy: the ones that
-    keep matmul outputs keep the dots inside those GEMMs' custom VJPs too (jax.checkpoint traces the
-    forward rule), so nothing is run again (tests/test_parallel.py counts the compiled dots)."""
-    return (cfg.train.grad_accum > 1 and weights_once_per_step(cfg, sizes) and not cfg.model.scan_layers
-            and sizes.get("fsdp", 1) == 1 and sizes.get("cp", 1) == 1)
 
 
 def round_rows(cfg: Config, sizes: dict[str, int]) -> int:

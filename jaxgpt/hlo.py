@@ -206,7 +206,7 @@ _FP8 = re.compile(r"\bf8e[45]m[23]\w*\[")
 _GEMM_FUSION = re.compile(r'\bkind=kCustom\b.*"fusion_backend_config":\{"kind":"__\w*gemm')  # Triton GEMMs
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _ARRAY_RESULT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ([a-z][a-z0-9]*\[[^\]]*\])", re.M)
-# The named scopes jaxgpt puts around its GEMMs (jaxgpt/model/fp8.py `linear`, jaxgpt/model/loss.py)
+# The named scopes jaxgpt puts around its GEMMs (jaxgpt/lowering/fp8.py `linear`, jaxgpt/lowering/loss.py)
 BLOCK_LINEARS = ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out", "expert_in", "expert_gate", "expert_out")
 LAYERS = (*BLOCK_LINEARS, "head")
 
@@ -234,7 +234,7 @@ def _is_fp8(line: str, operands: str) -> bool:
 def gemm_counts(hlo: str) -> dict[str, int]:
     """GEMM library calls in XLA:GPU's compiled HLO: {'fp8': n, 'other': m}.
 
-    jaxgpt's fp8 matmuls are dots with fp8 operands (jaxgpt/model/fp8.py); XLA:GPU compiles them to a
+    jaxgpt's fp8 matmuls are dots with fp8 operands (jaxgpt/lowering/fp8.py); XLA:GPU compiles them to a
     cuBLASLt fp8 call (`__cublas$lt$matmul$f8`) or a Triton GEMM fusion whose operands are fp8
     (what it picks without autotuning, i.e. in a deviceless compile). Both count as fp8. A loop
     body's call counts once, as written. XLA:CPU has neither, so both counts are 0 there."""
@@ -273,7 +273,7 @@ def fp8_gemm_operand_types(hlo: str) -> set[str]:
 
 
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
-# tokamax's flash attention (model.attention=mosaic, jaxgpt/model/flash.py), jaxgpt's only Mosaic GPU
+# tokamax's flash attention (model.attention=mosaic, jaxgpt/lowering/flash.py), jaxgpt's only Mosaic GPU
 # kernels: the forward is traced as .../flash_attention_smNN/..., the backward's two (dQ; dK and dV)
 # under other names; the op's own metadata does not survive a sharded compile
 _MOSAIC_GPU = re.compile(r'custom_call_target="mosaic_gpu[^"]*"')

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -229,6 +230,7 @@ class Compiled(NamedTuple):
     kernel: str            # the attention kernel
     why: str               # why that kernel
     seconds: float         # tracing + compiling
+    ops: str = "reference"  # the form the ops ran in (jaxgpt/lowering/: reference, tuned or tricks)
 
 
 class Lowered(NamedTuple):
@@ -245,6 +247,7 @@ class Lowered(NamedTuple):
     seconds: float         # tracing + lowering
     target: str | None     # 'h100' or 'h200' for compile-only GPUs
     fp8: bool = False      # the step has fp8 GEMMs (model.fp8 or model.fp8_head)
+    ops: str = "reference"
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         from jaxgpt.gpu import target as gpu_target
@@ -255,7 +258,7 @@ class Lowered(NamedTuple):
         options = {**base, **(compiler_options or {})}
         compiled = self.lowered.compile(options or None)
         return Compiled(compiled, self.state, self.batch, self.sizes, self.dtype, self.kernel, self.why,
-                        self.seconds + time.perf_counter() - started)
+                        self.seconds + time.perf_counter() - started, self.ops)
 
 
 def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Lowered:
@@ -264,10 +267,11 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
     target: 'h100' or 'h200' when `devices` are compile-only GPUs (jaxgpt.gpu.target)."""
     import jax
 
+    import jax.numpy as jnp
+
     from jaxgpt.gpu import target as gpu_target
-    from jaxgpt.model.attention import select_kernel
     from jaxgpt.parallel.mesh import make_mesh
-    from jaxgpt.step import compute_dtype, make_setup, make_train_step
+    from jaxgpt.step import make_setup, make_train_step
     if cfg.model.remat == "auto":
         raise ValueError("resolve model.remat=auto first (jaxgpt.remat.resolve)")
     sizes = validate(cfg, len(devices))
@@ -275,17 +279,16 @@ def lower_step(cfg: Config, devices: Sequence, target: str | None = None) -> Low
     mesh = make_mesh(sizes, list(devices))
     started = time.perf_counter()
     with gpu_target.compiling_for(devices, target) if target else contextlib.nullcontext():
-        dtype = compute_dtype(cfg.model.dtype)
-        kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
         # Shapes are built outside set_mesh: optax's init runs small eager ops, which a mesh of
         # compile-only GPUs cannot run; only tracing needs the mesh.
         setup = make_setup(cfg, mesh)
+        dtype, kernel, why = jnp.dtype(setup.ops.dtype), setup.ops.kernel, setup.ops.kernel_why
         state, batch = abstract_inputs(cfg, mesh, setup)
-        # the default device too: what tokamax's kernels are chosen by (jaxgpt/model/flash.py)
+        # the default device too: what tokamax's kernels are chosen by (jaxgpt/lowering/flash.py)
         with jax.set_mesh(mesh), jax.default_device(devices[0]) if target else contextlib.nullcontext():
             lowered = make_train_step(cfg, mesh, setup).lower(state, batch)
     return Lowered(lowered, state, batch, sizes, dtype, kernel, why, time.perf_counter() - started, target,
-                   bool(cfg.model.fp8_linears()) or cfg.model.fp8_head)
+                   bool(cfg.model.fp8_linears()) or cfg.model.fp8_head, setup.ops.form)
 
 
 def compile_step(cfg: Config, devices: Sequence, target: str | None = None,
@@ -318,7 +321,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
 
     from jaxgpt.gpu import target as gpu_target
     cfg, fp8_rows, fp8_why = fp8_choice.resolve(cfg, validate(cfg, len(devices)), target)  # model.fp8=auto
-    compiled, state, batch, sizes, dtype, kernel, why, compile_seconds = compile_step(cfg, devices, target)
+    compiled, state, batch, sizes, dtype, kernel, why, compile_seconds, ops = compile_step(cfg, devices, target)
     text = compiled.as_text()
     predicted = None
     if target:  # a step-time model of XLA:GPU's program on that GPU (jaxgpt/gpu/cost.py)
@@ -331,7 +334,7 @@ def plan(cfg: Config, devices: Sequence, device_memory_bytes: int | None = None,
         device_memory_bytes = gpu_target.device_memory_bytes(target) if target else device_memory(local_device(devices))
     memory = memory_analysis(compiled)
     return {
-        "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat,
+        "target": target, "compile_seconds": compile_seconds, "remat": cfg.model.remat, "ops": ops,
         "attention": {"kernel": kernel, "why": why, "fused_calls": hlo.fused_attention_counts(text)},
         "gemm_calls": hlo.gemm_counts(text), "not_fp8": _not_fp8(text, cfg.model.fp8_linears()),
         "fp8": cfg.model.fp8, "fp8_auto": {"why": fp8_why, "layers": [dict(c._asdict(), fp8=c.fp8,
@@ -396,8 +399,8 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
     if auto := p.get("fp8_auto", {}).get("why"):
         rows = [fp8_choice.Choice(c["kind"], c["uses"], c["bf16_seconds"], c["fp8_seconds"]) for c in p["fp8_auto"]["layers"]]
         lines += [auto, *fp8_choice.format_choices(rows)]
-    lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | compile "
-                 f"{p['compile_seconds']:.1f} s")
+    lines.append(f"remat: {p['remat']} ({p.get('remat_why') or 'model.remat=' + p['remat']}) | ops {p['ops']} | "
+                 f"compile {p['compile_seconds']:.1f} s")
     if p["platform"] == "cpu":
         lines.append("note: compiled by XLA:CPU, so memory and collectives are CPU-compiled estimates; a GPU "
                      "compile fuses, combines and schedules differently (fsdp grads: reduce-scatter, not all-reduce)")
@@ -446,6 +449,15 @@ def format_plan(p: dict[str, Any], name: str, cfg: Config) -> str:
             lines.append("(model.attention=mosaic: tokamax's kernels are costed at cuDNN's measured efficiencies per "
                          "FLOP; no GPU has timed them yet, docs/benchmarks.md)")
     return "\n".join(lines)
+
+
+def format_reference(tuned: dict[str, Any], reference: dict[str, Any]) -> str:
+    """One line: the step predicted with model.ops=reference beside the plan's (docs/ops.md)."""
+    ms = {k: 1e3 * p["predicted"]["step_seconds"] for k, p in (("tuned", tuned), ("reference", reference))}
+    fits = "" if reference["fits"] is not False else ", and it would not fit"
+    return (f"model.ops=reference (the plain maths, jaxgpt/model/ops.py): predicted {ms['reference']:,.1f} ms a step "
+            f"against {ms['tuned']:,.1f} with ops {tuned['ops']}: the tricks claim "
+            f"{100 * (ms['reference'] / ms['tuned'] - 1):.1f}% (docs/ops.md){fits}")
 
 
 MAX_FAKE_DEVICES = 2048
@@ -537,6 +549,11 @@ def _main(argv: Sequence[str] | None) -> None:
     result = result or plan(cfg, devices, limit, args.target, per_node)
     result["remat_why"] = remat_why
     print(format_plan(result, args.config or "shakespeare", cfg), flush=True)
+    if result["predicted"] and result["ops"] == "tuned" and not cfg.model.fp8_head:  # what the tricks claim
+        reference = plan(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, ops="reference")), devices,
+                         limit, args.target, per_node)
+        result["reference_predicted"] = reference["predicted"]
+        print(format_reference(result, reference), flush=True)
     if result["fits"] is False:
         print(f"warning: this would not fit: the step needs {result['memory']['peak'] / GIB:.2f} GiB per device, "
               f"which has {result['device_memory_bytes'] / GIB:.2f} GiB", file=sys.stderr, flush=True)

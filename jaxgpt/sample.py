@@ -44,7 +44,8 @@ from jaxgpt.chat.template import BadConversation, ChatTemplate
 from jaxgpt.cli import ArgumentParser, path_arg, run_main
 from jaxgpt.config import NONNEGATIVE, POSITIVE, SEED, Config, Range, mesh_shape, parse_mesh
 from jaxgpt.errors import UserError
-from jaxgpt.model import KVCache, compute_dtype
+from jaxgpt.lowering import compute_dtype
+from jaxgpt.model import KVCache
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.step import abstract_model, make_setup
 
@@ -106,7 +107,8 @@ def check_host_memory(cfg: Config, num_samples: int) -> None:
         return
     m = cfg.model
     params = 4 * param_count(m)
-    cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(compute_dtype(m.dtype)).itemsize
+    cache = 2 * m.n_layer * num_samples * m.seq_len * m.kv_heads * m.head_dim * np.dtype(
+        compute_dtype(m.dtype, "cpu")).itemsize
     logits = 4 * num_samples * m.padded_vocab
     need = params + SAMPLING_TEMPORARIES * (cache + logits)
     if need > available:
@@ -123,7 +125,7 @@ SAMPLING_TEMPORARIES = 2.5  # peak host memory / (KV cache + logits), measured f
 def _steps(graphdef, cfg: Config, B: int, temperature: float, top_k: int, top_p: float):
     """(prefill, decode), jitted once per model and sampling options: a chat's every turn reuses
     them (prefill compiles once per prompt length, decode once)."""
-    dtype = compute_dtype(cfg.model.dtype)
+    dtype = compute_dtype(cfg.model.dtype, jax.devices()[0].platform)
     pick = partial(_pick, temperature=temperature, top_k=top_k, top_p=top_p)
 
     @jax.jit

@@ -55,7 +55,7 @@ program is the one it always was. The loss is the global sum(w * nats) / sum(w),
 layout: the step scales the weights once to a mean of 1 over the whole batch, and each part (a
 micro-batch, a dp/ep shard, a pipeline stage's rows) adds its mean of w * nats over its positions
 (`token_loss`), which the reductions above average like the unmasked loss. The fused loss gives a
-position of weight 0 exactly zero gradient (jaxgpt/model/loss.py).
+position of weight 0 exactly zero gradient (jaxgpt/lowering/loss.py).
 
 Evaluation returns sums, not only the mean: the cross-entropy of every val position and, for bits
 per byte, the nats and UTF-8 bytes of the positions whose label is text (`val_sums`); every stage
@@ -75,12 +75,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt import tokenizer
-from jaxgpt.config import Config, ModelConfig, pipeline_microbatches, weight_grads_summed_in_gemm, weights_once_per_step
-from jaxgpt.model import (GPT, REMAT_POLICIES, compute_dtype, copies_once_per_step, from_gemm_pieces, gemm_pieces,
-                          head_table, with_prequantized)
+from jaxgpt.config import Config, ModelConfig, pipeline_microbatches
+from jaxgpt.copies import copies_once_per_step, from_gemm_pieces, gemm_pieces, table_copies, with_copies
+from jaxgpt.lowering import Lowering, choose
+from jaxgpt.model import GPT, REMAT_POLICIES
 from jaxgpt.model.balance import move_balance, split_balance, with_balance
 from jaxgpt.model.documents import window_stats
-from jaxgpt.model.loss import chunked_cross_entropy, token_nats
 from jaxgpt.model.moe import MoEStats
 from jaxgpt.optim import lr_schedule, make_optimizer
 from jaxgpt.parallel import pipeline
@@ -102,14 +102,14 @@ def split_batch(batch) -> tuple[jax.Array, jax.Array | None]:
     return tuple(batch) if isinstance(batch, (tuple, list)) else (batch, None)
 
 
-def token_loss(x_BTD: jax.Array, table_VD: jax.Array, labels_BT: jax.Array, weights_BT: jax.Array | None,
-               cfg: ModelConfig, dtype: jnp.dtype) -> jax.Array:
+def token_loss(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, weights_BT: jax.Array | None,
+               dtype: jnp.dtype) -> jax.Array:
     """The cross-entropy of these rows as the step averages it: the mean over their positions, or
     with weights (scaled by the step to a mean of 1 over the whole batch) the mean of w * nats."""
     if weights_BT is None:
-        return chunked_cross_entropy(x_BTD, table_VD, labels_BT, cfg, dtype)
+        return model.loss(x_BTD, labels_BT, dtype)
     share = jnp.sum(weights_BT.astype(jnp.float32)) / weights_BT.size  # sum(w * nats) / sum(w), times this
-    return chunked_cross_entropy(x_BTD, table_VD, labels_BT, cfg, dtype, weights_BT) * share
+    return model.loss(x_BTD, labels_BT, dtype, weights_BT) * share
 
 
 def normalized_weights(batch):
@@ -128,9 +128,10 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def abstract_model(cfg: Config) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's graph and its parameters as shapes, without allocating anything."""
-    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(cfg.train.seed)))
+def abstract_model(cfg: Config, ops: Lowering | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's graph (computing through `ops`, jaxgpt/lowering/; default the reference forms)
+    and its parameters as shapes, without allocating anything."""
+    model = nnx.eval_shape(lambda: GPT(cfg.model, nnx.Rngs(cfg.train.seed), ops))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     assert not jax.tree.leaves(rest), "the model holds non-parameter state the train state would lose"
     return graphdef, params
@@ -153,18 +154,21 @@ def param_logical_axes(params: nnx.State) -> dict[str, Any]:
 
 class Setup(NamedTuple):
     """Everything the loop needs that is fixed for a run."""
-    graphdef: nnx.GraphDef
+    graphdef: nnx.GraphDef  # the model, computing through `ops`
     optimizer: optax.GradientTransformation
     shardings: TrainState  # a NamedSharding per leaf of the state
     logical_axes: dict[str, Any]
+    ops: Lowering  # how the ops compute on this mesh (jaxgpt/lowering/, model.ops), chosen once here
 
 
 def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def make_setup(cfg: Config, mesh: Mesh) -> Setup:
-    graphdef, abstract_params = abstract_model(cfg)
+def make_setup(cfg: Config, mesh: Mesh, ops: Lowering | None = None) -> Setup:
+    """ops: the lowering (default: `choose`'s for cfg on mesh)."""
+    ops = choose(cfg.model, mesh) if ops is None else ops
+    graphdef, abstract_params = abstract_model(cfg, ops)
     optimizer = make_optimizer(cfg.optimizer, cfg.train.steps)
     axes = param_logical_axes(abstract_params)
     param_sh = jax.tree.map(lambda a: named(mesh, a), axes, is_leaf=_is_axes)
@@ -172,7 +176,7 @@ def make_setup(cfg: Config, mesh: Mesh) -> Setup:
     abstract_opt = jax.eval_shape(optimizer.init, split_balance(nnx.to_pure_dict(abstract_params))[0])
     opt_sh = optax.tree_map_params(optimizer, lambda _, s: s, abstract_opt, split_balance(param_sh)[0],
                                    transform_non_params=lambda _: replicated)
-    return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes)
+    return Setup(graphdef, optimizer, TrainState(replicated, param_sh, opt_sh), axes, ops)
 
 
 # XLA:CPU spends most of compiling the init in LLVM's -O2 passes over the unrolled threefry rounds
@@ -221,10 +225,10 @@ def objective_fn(params: dict, graphdef: nnx.GraphDef, batch, cfg: ModelConfig,
     batch_BT1, weights_BT = split_batch(batch)
     if not cfg.moe_experts:
         x_BTD = model(batch_BT1[:, :-1], dtype, features_only=True)
-        loss = token_loss(x_BTD, head_table(params), batch_BT1[:, 1:], weights_BT, cfg, dtype)
+        loss = token_loss(model, x_BTD, batch_BT1[:, 1:], weights_BT, dtype)
         return loss, {"loss": loss, **_document_metrics(batch_BT1, cfg)}
     x_BTD, stats = model(batch_BT1[:, :-1], dtype, features_only=True, with_moe_stats=True)
-    loss = token_loss(x_BTD, head_table(params), batch_BT1[:, 1:], weights_BT, cfg, dtype)
+    loss = token_loss(model, x_BTD, batch_BT1[:, 1:], weights_BT, dtype)
     aux_coef = cfg.moe_aux_coef if cfg.moe_balance == "aux" else 0.0  # bias: the aux loss is only logged
     objective = loss + aux_coef * stats.aux + cfg.moe_z_coef * stats.z
     return objective, {"loss": loss, **dict(zip(MOE_METRICS, stats[:3], strict=True)), "moe_load": stats.load,
@@ -242,7 +246,7 @@ def pipeline_objective(params: dict, graphdef: nnx.GraphDef, batch, cfg: Config,
     x_BTD, labels_BT, weights_BT, stats = pipeline_features(params, graphdef, batch, cfg, dtype, stages,
                                                             microbatches, block_axes, bubble_fill)
     m, batch_BT1 = cfg.model, split_batch(batch)[0]
-    loss = token_loss(x_BTD, head_table(params), labels_BT, weights_BT, m, dtype) / stages
+    loss = token_loss(nnx.merge(graphdef, params), x_BTD, labels_BT, weights_BT, dtype) / stages
     # every stage holds the whole batch: its share of the psum over pp, as the loss's
     metrics = {"loss": loss, **{k: v / stages for k, v in _document_metrics(batch_BT1, m).items()}}
     if stats is None:
@@ -335,7 +339,7 @@ def manual_layout(cfg: Config, mesh: Mesh, setup: Setup) -> Layout:
 def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 0.0):
     """jit(state, batch [B, T+1]) -> (state, {'loss', 'grad_norm', 'lr'} and an MoE model's
     moe_* metrics), the state donated. `bubble_fill`: see pipeline.run (tests)."""
-    A, dtype, m = cfg.train.grad_accum, compute_dtype(cfg.model.dtype), cfg.model
+    A, dtype, m, ops = cfg.train.grad_accum, jnp.dtype(setup.ops.dtype), cfg.model, setup.ops
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
     layout = manual_layout(cfg, mesh, setup)
@@ -346,40 +350,41 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
     else:
         objective = functools.partial(objective_fn, cfg=m, dtype=dtype)
     # w.r.t. the trainable params only (not moe_balance=bias's routing bias); the aux output is the metrics
-    # (`prequantized`: the block weights' copies made before the micro-batch loop, not differentiated)
-    grad_fn = jax.grad(lambda trainable, bias, prequantized, *args: objective(
-        with_balance(with_prequantized(trainable, prequantized, setup.logical_axes.get("blocks")), bias), *args),
-        has_aux=True)
-    # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch (a dense model's
-    # stacked blocks; a pipeline gathers its stage weights itself, and the experts' GEMMs cast theirs)
-    once = weights_once_per_step(cfg, dict(mesh.shape))  # copies_once_per_step: none where there is nothing to copy
-    in_gemm = weight_grads_summed_in_gemm(cfg, dict(mesh.shape))  # the gradient sums fused into their GEMMs
+    # (`copies`: the block weights' and the tables' copies made before the micro-batch loop, not differentiated)
+    def with_both(trainable, bias, copies):
+        blocks, tables = copies
+        return with_balance(with_copies(trainable, blocks, setup.logical_axes.get("blocks"), tables), bias)
 
-    def metrics_and_grads(params, bias, batch, prequantized=None):
-        grads, metrics = grad_fn(params, bias, prequantized, setup.graphdef, batch)
+    grad_fn = jax.grad(lambda trainable, bias, copies, *args: objective(with_both(trainable, bias, copies), *args),
+                       has_aux=True)
+    # block weights quantized (fp8) or cast (bf16) once per step, not per micro-batch, where the lowering
+    # says (jaxgpt/copies.py), and their gradients summed inside their GEMMs
+    once = ops.copies_once(bool(m.moe_experts))
+    in_gemm = ops.grads_in_gemm(A, bool(m.moe_experts))
+
+    def metrics_and_grads(params, bias, batch, copies=None, tables=None):
+        grads, metrics = grad_fn(params, bias, (copies, tables), setup.graphdef, batch)
         return metrics, grads
 
     def summed_grads(params: dict, bias, batch, vary=lambda zeros: zeros) -> tuple[dict, dict]:
         """(metrics, grads) summed over the A micro-batches of `batch`; `vary` gives the zero
         carry the type of the loop's outputs (varying over the manual axes inside the shard_map)."""
-        copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], m.fp8_linears(), dtype,
-                                      unrolled=not m.scan_layers, fp32_grads=in_gemm) if once else None
+        copies = copies_once_per_step(params["blocks"], setup.logical_axes["blocks"], ops, dtype, in_gemm) if once else None
+        tables = table_copies(params, ops, dtype)
         if A == 1:
-            return metrics_and_grads(params, bias, batch, copies)
+            return metrics_and_grads(params, bias, batch, copies, tables)
         B = split_batch(batch)[0].shape[0]
         micro_ABT1 = jax.tree.map(lambda x: x.reshape(B // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
         # The gradients of the weights whose GEMMs write them in fp32 (the *Fp32Grad copies) are summed
         # per GEMM (per layer, and per q, k and v where those are GEMMs of their own), stacked once
-        # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy). Summed as
-        # [L, ...] stacks, every micro-batch gathered the layers' gradients into a stack and added
-        # it in a pass of its own (gpt2-1.3b on one H100, 4,111.6 -> 4,037.5 ms a step predicted).
+        # after the loop: XLA:GPU then takes each sum into its GEMM (acc + x^T dy; grads_in_gemm).
         axes = setup.logical_axes.get("blocks", {})  # a dense model's (copies are made only for those)
 
         def split(grads: dict) -> dict:
-            return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes)} if copies else grads
+            return {**grads, "blocks": gemm_pieces(grads["blocks"], copies, axes, ops.qkv_apart)} if copies else grads
 
         def accumulate(carry, micro_BT1):
-            metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies)
+            metrics, grads = metrics_and_grads(params, bias, micro_BT1, copies, tables)
             return jax.tree.map(jnp.add, carry, (metrics, split(grads))), None
 
         names = ["loss", *(MOE_METRICS if m.moe_experts else ()), *(DOCUMENT_METRICS if m.document_mask else ())]
@@ -449,14 +454,14 @@ def make_train_step(cfg: Config, mesh: Mesh, setup: Setup, bubble_fill: float = 
                    out_shardings=(setup.shardings, replicated), donate_argnums=0)
 
 
-def val_sums(x_BTD: jax.Array, labels_BT: jax.Array, table_VD: jax.Array, bytes_V: jax.Array, cfg: ModelConfig,
-             dtype: jnp.dtype, weights_BT: jax.Array | None = None) -> dict[str, jax.Array]:
+def val_sums(model: GPT, x_BTD: jax.Array, labels_BT: jax.Array, bytes_V: jax.Array, dtype: jnp.dtype,
+             weights_BT: jax.Array | None = None) -> dict[str, jax.Array]:
     """What one val batch adds up: `nats` (cross-entropy summed over every position), and for bits
     per byte `text_nats` and `text_bytes`, the same sum and the UTF-8 bytes over the positions whose
     label is text (bytes_V > 0; `<|endoftext|>` is a boundary, not text), as nanochat counts them.
     With a fine-tuning batch's weights: each position's nats weighted, `weight` their sum, and only
     the weighted positions' text counted."""
-    nats_BT = token_nats(x_BTD, table_VD, labels_BT, cfg, dtype)
+    nats_BT = model.token_nats(x_BTD, labels_BT, dtype)
     bytes_BT = bytes_V[labels_BT]
     if weights_BT is None:
         return {"nats": jnp.sum(nats_BT), "text_nats": jnp.sum(jnp.where(bytes_BT > 0, nats_BT, 0.0)),
@@ -472,7 +477,7 @@ def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     cross-entropy (no MoE auxiliary losses; fine-tuning: the weighted mean), 'text_nats',
     'text_bytes'} (see val_sums, the bytes of data.tokenizer's tokens), replicated; under pp through
     the same pipeline as training."""
-    dtype = compute_dtype(cfg.model.dtype)
+    dtype = jnp.dtype(setup.ops.dtype)
     S, R = mesh.shape["pp"], cfg.pipeline.repeats
     table = tokenizer.load(cfg.data.tokenizer).token_bytes(cfg.model.padded_vocab)
     replicated = NamedSharding(mesh, P())
@@ -481,14 +486,15 @@ def make_eval_step(cfg: Config, mesh: Mesh, setup: Setup):
     def sums(params, batch, bytes_V):
         if S == 1:
             batch_BT1, weights_BT = split_batch(batch)
-            x_BTD = nnx.merge(setup.graphdef, params)(batch_BT1[:, :-1], dtype, features_only=True)
-            return val_sums(x_BTD, batch_BT1[:, 1:], head_table(params), bytes_V, cfg.model, dtype, weights_BT)
+            model = nnx.merge(setup.graphdef, params)
+            return val_sums(model, model(batch_BT1[:, :-1], dtype, features_only=True), batch_BT1[:, 1:], bytes_V,
+                            dtype, weights_BT)
         layout, key = manual_layout(cfg, mesh, setup), stack_key(cfg.model)
 
         def per_stage(params, batch, bytes_V):  # each stage sums the rows whose head it computes
             x_BTD, labels_BT, weights_BT, _ = pipeline_features(params, setup.graphdef, batch, cfg, dtype, S,
                                                                 layout.microbatches, setup.logical_axes[key])
-            return jax.lax.psum(val_sums(x_BTD, labels_BT, head_table(params), bytes_V, cfg.model, dtype,
+            return jax.lax.psum(val_sums(nnx.merge(setup.graphdef, params), x_BTD, labels_BT, bytes_V, dtype,
                                          weights_BT), "pp")
 
         params = {**params, key: pipeline.to_stage_major(params[key], S, R)}

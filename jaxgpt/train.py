@@ -67,9 +67,10 @@ from jaxgpt.files import read_jsonl
 from jaxgpt.gpu import fp8_choice
 from jaxgpt.lock import DirLock
 from jaxgpt.loop import Loop, say
+from jaxgpt.lowering import compute_dtype
+from jaxgpt.lowering.attention import select_kernel
 from jaxgpt.metrics import peak_flops
-from jaxgpt.model import compute_dtype, param_count
-from jaxgpt.model.attention import select_kernel
+from jaxgpt.model import param_count
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.plan import abstract_inputs, activation_floor, check_memory, local_device, resolve_remat
@@ -187,8 +188,8 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
            phases: PhaseClock, resized: str | None) -> TrainState:
     """`train` once the config is valid for the devices and the run dir is this job's."""
     started = phases.started
-    dtype = compute_dtype(cfg.model.dtype)
-    kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim)
+    dtype = compute_dtype(cfg.model.dtype, devices[0].platform)
+    kernel, why = select_kernel(cfg.model.attention, dtype, cfg.model.head_dim, devices[0], cfg.model.document_mask)
     # Every token file is checked against meta.json first; the verdicts (RUN_DIR/data-verified.json,
     # written by process 0, read by all) spare a resumed run from reading unchanged files again.
     verified = run_dir / "data-verified.json"
@@ -260,7 +261,7 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                       f"{devices[0].platform} devices | {t.batch_size} x {m.seq_len} tokens/step | "
                       f"{len(train_tokens):,} train tokens | compute {np.dtype(dtype).name}"
                       f"{_fp8_matmuls(m)} | attention {kernel} ({why}) | remat {m.remat} "
-                      f"({remat_why})", flush=True)
+                      f"({remat_why}) | ops {setup.ops.described}", flush=True)
                 if run_data.note:
                     print(run_data.note, flush=True)
                 if fp8_why:

@@ -10,7 +10,7 @@ Kernels, each causal, bf16 in and out, q, k and v [B, T, H, K] as the model's at
     cudnn-bnth  the same cuDNN call with qkv_layout='BNTH', its inputs given in [B, H, T, K] (the
                 transposes into that layout are not timed: what the layout alone is worth)
     mosaic      tokamax's Pallas Mosaic GPU flash attention, what model.attention=mosaic runs
-                (jaxgpt/model/flash.py), with tokamax's heuristic block sizes
+                (jaxgpt/lowering/flash.py), with tokamax's heuristic block sizes
     triton      tokamax's Pallas Triton flash attention (tokamax.dot_product_attention(implementation=
                 'triton'); the successor of the deprecated jax.experimental.pallas.ops.gpu.attention)
     xla         implementation='xla': the [B, H, T, T] scores in HBM (the CPU's kernel)
@@ -58,7 +58,7 @@ def attend_fn(kernel: str):
         return lambda q, k, v: cudnn.dot_product_attention(
             q, k, v, scale=1 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.CAUSAL, qkv_layout="BNTH")
     if kernel == "mosaic":
-        from jaxgpt.model import flash
+        from jaxgpt.lowering import flash
         return flash.attend
     import tokamax
     return partial(tokamax.dot_product_attention, is_causal=True, implementation=kernel)
@@ -94,7 +94,7 @@ def inputs(shape: tuple[int, ...], bnth: bool, dtype=jnp.bfloat16):
 
 def max_errors(kernel: str, shape: tuple[int, ...]) -> list[float]:
     """Largest |error| of the output and of dq, dk, dv against the fp32 reference, on 2 rows."""
-    from jaxgpt.model.attention import reference_attention
+    from jaxgpt.lowering.attention import reference_attention
     bnth = kernel == "cudnn-bnth"
     q, k, v, d_out = inputs((2, *shape[1:]), bnth)
     out, vjp = jax.vjp(jax.jit(attend_fn(kernel)), q, k, v)

@@ -62,10 +62,9 @@ from jaxgpt.errors import UserError
 from jaxgpt.gpu import fp8_choice
 from jaxgpt.hlo import gemm_counts
 from jaxgpt.metrics import mfu, peak_flops
-from jaxgpt.model.attention import select_kernel
 from jaxgpt.parallel import distributed
 from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.step import compute_dtype, init_state, make_setup, make_train_step
+from jaxgpt.step import init_state, make_setup, make_train_step
 
 
 def input_tokens_per_sec(cfg: Config, tokens: np.ndarray, n_batches: int) -> float:
@@ -118,7 +117,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     step_s = float(np.median(times))
     tokens_per_step = t.batch_size * m.seq_len
     rate = tokens_per_step / step_s
-    dtype = np.dtype(compute_dtype(m.dtype)).name
+    dtype = setup.ops.dtype
     peak = peak_flops(devices[0], "fp8" if m.fp8_linears() else dtype)
     input_rate = input_tokens_per_sec(cfg, tokens, input_batches)
     hlo = compiled.as_text()
@@ -126,7 +125,7 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     return {
         "mesh": sizes, "devices": len(devices), "processes": jax.process_count(),
         "device_kind": devices[0].device_kind, "compute_dtype": dtype, "fp8": m.fp8, "remat": m.remat,
-        "attention": select_kernel(m.attention, compute_dtype(m.dtype), m.head_dim)[0],
+        "attention": setup.ops.kernel, "ops": setup.ops.form,
         "gemm_calls": gemm_counts(hlo),  # XLA:GPU library GEMMs, fp8 vs other (0 on CPU)
         "parameters": int(sum(
             x.size for x in jax.tree.leaves(state.params))),

@@ -39,7 +39,6 @@ def main() -> None:
     from jaxgpt.gpu import cost, perf
     from jaxgpt.gpu import target as gpu_target
     from jaxgpt.metrics import flops_per_token
-    from jaxgpt.model import compute_dtype
     from jaxgpt.parallel.mesh import make_mesh
     from jaxgpt.step import abstract_state, make_setup
 
@@ -53,7 +52,7 @@ def main() -> None:
         mask = jax.ShapeDtypeStruct((scorer.rows, args.length), np.bool_, sharding=scorer.batch_sharding)
         with jax.set_mesh(mesh):
             compiled = scorer.step.lower(params, tokens, tokens, mask).compile(gpu_target.DEVICELESS_OPTIONS)
-        dtype = np.dtype(compute_dtype(cfg.model.dtype)).name
+        dtype = setup.ops.dtype
     text = compiled.as_text()
     # forward only: a third of the train step's 6N + attention FLOPs per token
     est = cost.estimate(text, perf.perf(args.target), 1, scorer.rows * args.length, flops_per_token(cfg.model) / 3)

@@ -5,7 +5,7 @@
     /path/to/torch-env/bin/python scripts/gemm_bench.py --backends numpy,torch --rows 128,512
 
 Letters: R rows (sequences x positions of one loss chunk), D model width, V padded vocabulary.
-The fused loss (jaxgpt/model/loss.py) runs, per chunk, in fp32:
+The fused loss (jaxgpt/lowering/loss.py) runs, per chunk, in fp32:
 
     logits  x [R, D] @ wte[V, D]^T  -> [R, V]
     dx      dlogits [R, V] @ wte [V, D] -> [R, D]

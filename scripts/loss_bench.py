@@ -7,7 +7,7 @@
 
 On a CPU the head is most of a small model's step (the default run: ~375 of ~520 ms on a 2-core
 Intel Xeon), and its time is the passes over each chunk's [rows, V] logits, which depend on how
-XLA fuses jaxgpt/model/loss.py: this times exactly that, `jax.value_and_grad` of
+XLA fuses jaxgpt/lowering/loss.py: this times exactly that, `jax.value_and_grad` of
 `chunked_cross_entropy` (x and the table as arguments, fixed random labels), so a change to the
 loss is measured in seconds rather than through a whole training step. The features are random
 normal [B, T, D] (batch = train.batch_size, T = model.seq_len); the table N(0, 0.02^2) of the padded
@@ -27,7 +27,9 @@ import jax.numpy as jnp
 
 from jaxgpt import allocator
 from jaxgpt.config import load_config
-from jaxgpt.model.loss import chunked_cross_entropy
+from jaxgpt.lowering import choose
+from jaxgpt.lowering.loss import chunked_cross_entropy
+from jaxgpt.parallel.mesh import make_mesh
 
 
 def time_head(model, B: int, reps: int) -> tuple[float, float, float, list[float]]:
@@ -36,7 +38,8 @@ def time_head(model, B: int, reps: int) -> tuple[float, float, float, list[float
     x_BTD = jax.random.normal(k[0], (B, model.seq_len, model.n_embd))
     wte_VD = jax.random.normal(k[1], (model.padded_vocab, model.n_embd)) * 0.02
     labels_BT = jax.random.randint(k[2], (B, model.seq_len), 0, model.vocab_size)
-    f = jax.jit(jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels_BT, model, jnp.float32),
+    ops = choose(model, make_mesh({"dp": 1}, jax.devices()[:1]))
+    f = jax.jit(jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels_BT, ops, jnp.float32),
                                    argnums=(0, 1)))
     loss, (dx, dw) = jax.block_until_ready(f(x_BTD, wte_VD))
     times = []

@@ -55,7 +55,7 @@ def main() -> None:
     import optax
 
     from jaxgpt.config import load_config, validate
-    from jaxgpt.model import compute_dtype
+    from jaxgpt.lowering import compute_dtype
     from jaxgpt.parallel.mesh import make_mesh
     from jaxgpt.parallel.pipeline import bubble_fraction
     from jaxgpt.step import TrainState, init_state, make_setup, make_train_step, objective_fn
@@ -69,7 +69,7 @@ def main() -> None:
     def gpipe_on_one_device(cfg, setup, M: int):
         """The train step with the pipeline's structure on one device: grad of a scan over the M
         micro-batches (rows a, a+M, ... as the pipeline takes them), then AdamW."""
-        dtype = compute_dtype(cfg.model.dtype)
+        dtype = compute_dtype(cfg.model.dtype, jax.devices()[0].platform)
 
         def train_step(state: TrainState, batch_BT1):
             B, T1 = batch_BT1.shape

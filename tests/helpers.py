@@ -31,7 +31,7 @@ def layer_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list
     """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
     are the ones with a vocabulary-sized dimension (the [V, D] embedding gradient they carry, the
     padded V or, where the loss takes the table's real rows on a CPU, the real one;
-    jaxgpt/model/loss.py)."""
+    jaxgpt/lowering/loss.py)."""
     return [body for body in while_bodies(hlo) if not _has_vocab_dim(body, padded_vocab, vocab)]
 
 
@@ -45,6 +45,15 @@ def _has_vocab_dim(body: str, *sizes: int) -> bool:
 
 def tiny_config(*overrides: str, mesh: str | None = None):
     return load_config(None, [*TINY, *overrides], mesh)
+
+
+def lowering(model_cfg, ops: str | None = None):
+    """The lowering a one-device run of model_cfg takes (jaxgpt/lowering/), with model.ops=`ops` if given."""
+    import dataclasses
+
+    from jaxgpt.lowering import choose
+    model_cfg = model_cfg if ops is None else dataclasses.replace(model_cfg, ops=ops)
+    return choose(model_cfg, make_mesh({"dp": 1}, jax.devices()[:1]))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,6 +203,7 @@ def test_end_to_end_run_writes_metrics(tmp_path):
         assert r["mfu"] is None  # no peak FLOP/s is known for CPUs
     assert all(r["tokens_per_sec"] > 0 for r in train_lines[1:])
     assert "tok/s" in proc.stdout
+    assert re.search(r"\| ops (reference|tuned) \(model\.ops=auto: the faster on a CPU, docs/ops\.md\)", proc.stdout)
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["step"] == 0
     # the command re-executed itself once with a faster host allocator (jaxgpt/allocator.py)
     used = "tcmalloc" if allocator.find_tcmalloc() else "glibc-thp"
@@ -380,16 +382,17 @@ def test_report_skips_a_last_line_cut_short_by_a_kill(tmp_path, capsys):
 
 def test_an_error_xla_raises_in_a_step_is_one_line(tmp_path, capsys, monkeypatch):
     """A step XLA cannot run: the bf16 loss of one chunk without the barrier that keeps XLA:CPU's
-    DotThunk from a bf16 x bf16 -> fp32 GEMM (jaxgpt/model/loss.py `pins_dwte`; the real
+    DotThunk from a bf16 x bf16 -> fp32 GEMM (jaxgpt/lowering/loss.py `pins_dwte`; the real
     failure of issue 39). One `error:` line, exit 1, no traceback, and no lost work: the run
     resumed from its step-2 checkpoint fails at step 3 and keeps that checkpoint and the rows of
     steps <= 2. (Should XLA:CPU learn to run that GEMM, the first assertion fails: then drop the
     barrier.)"""
-    from jaxgpt.model import loss
+    from jaxgpt.lowering import loss
     from jaxgpt.train import main
 
     run = tmp_path / "run"
-    args = ["--run-dir", str(run), "--mesh", "dp=8", *TINY, "model.dtype=bfloat16", "model.loss_chunk=0"]
+    args = ["--run-dir", str(run), "--mesh", "dp=8", *TINY, "model.dtype=bfloat16", "model.loss_chunk=0",
+            "model.ops=tuned"]
     assert main([*args, "train.steps=2"]) == 0
     capsys.readouterr()
     monkeypatch.setattr(loss, "pins_dwte", lambda platform, dtype: False)

@@ -48,7 +48,9 @@ def _steps(layout: str, devices, *overrides: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_device():
-    return {masked: _steps("dp=1", jax.devices()[:1], *(MASK if masked else ())) for masked in (False, True)}
+    """Two steps on one device in the reference forms (model.ops=reference), masked and not."""
+    return {masked: _steps("dp=1", jax.devices()[:1], "model.ops=reference", *(MASK if masked else ()))
+            for masked in (False, True)}
 
 
 @pytest.mark.parametrize("layout, masked, overrides", [

@@ -208,7 +208,7 @@ ENTRY %main (q: bf16[2,512,4,64], kv: bf16[2,512,2,64], s: f32[2,4,512]) -> bf16
 
 
 def test_tokamax_flash_attention_is_costed_as_causal_attention_forward_dq_and_dkv():
-    """model.attention=mosaic (jaxgpt/model/flash.py): tokamax's forward kernel (named
+    """model.attention=mosaic (jaxgpt/lowering/flash.py): tokamax's forward kernel (named
     flash_attention_sm90) counts cuDNN's causal FLOPs from its q [B, T, H, K] and k [B, S, G, K];
     its backward is two kernels, dQ (3 matmuls: 1.5x the forward) and dK/dV (4: 2x), the dQ one here
     inside XLA's dynamic-slice fusion as XLA:GPU compiles it; all at the attention efficiencies."""
@@ -387,7 +387,7 @@ ENTRY %main (x: bf16[1024,512], w: f8e4m3fn[512,2048]) -> bf16[1024,2048] {
 
 
 def test_fp8_path_costs_its_amax_casts_and_f8_copies_in_their_own_group():
-    """The kernels model.fp8 adds around a GEMM (jaxgpt/model/fp8.py) are costed as memory-bound
+    """The kernels model.fp8 adds around a GEMM (jaxgpt/lowering/fp8.py) are costed as memory-bound
     kernels in the 'fp8 quantization' group: the amax reduction, the scaled cast to e4m3, and the
     transposed f8 copy cuBLASLt needs (1 byte an element each way); the producer stays where it was,
     and the cuBLASLt fp8 GEMM runs at twice the bf16 peak."""

@@ -16,7 +16,8 @@ from jaxgpt.config import validate
 from jaxgpt.errors import UserError
 from jaxgpt.evaluate.score import Scorer
 from jaxgpt.model import GPT
-from jaxgpt.model.documents import documents, packed_segments, window_stats
+from jaxgpt.lowering.attention import packed_segments
+from jaxgpt.model.documents import documents, window_stats
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.sample import generate, shard_params
 from jaxgpt.step import init_state, loss_fn, make_eval_step, make_setup

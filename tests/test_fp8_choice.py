@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 import yaml
-from helpers import tiny_config
+from helpers import lowering, tiny_config
 
 from jaxgpt.config import load_config, validate
 from jaxgpt.errors import UserError
@@ -121,13 +121,15 @@ def _fp8_dots(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 
 def test_a_list_runs_exactly_those_layers_in_fp8():
     """model.fp8=qkv,mlp_out: the forward pass's fp8 GEMMs are qkv's ([B,T,D] x [D,3,H,K]) and
-    mlp_out's ([B,T,F] x [F,D]), and no other (the scanned layers' body holds each once)."""
+    mlp_out's ([B,T,F] x [F,D]), and no other (the scanned layers' body holds each once). fp8 is
+    the lowering's choice (jaxgpt/lowering/fp8.py), the same under model.ops=reference and tuned."""
     cfg = tiny_config("model.fp8=qkv,mlp_out")
     m = cfg.model
     tokens = jnp.zeros((2, m.seq_len), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda t: GPT(m, nnx.Rngs(0))(t))(tokens).jaxpr
     B, T, D, H, K, F = 2, m.seq_len, m.n_embd, m.n_head, m.head_dim, m.mlp_width
-    assert sorted(_fp8_dots(jaxpr)) == sorted([((B, T, D), (D, 3, H, K)), ((B, T, F), (F, D))])
+    for form in ("reference", "tuned"):
+        jaxpr = jax.make_jaxpr(lambda t, form=form: GPT(m, nnx.Rngs(0), lowering(m, form))(t))(tokens).jaxpr
+        assert sorted(_fp8_dots(jaxpr)) == sorted([((B, T, D), (D, 3, H, K)), ((B, T, F), (F, D))]), form
 
 
 def test_auto_on_cpu_trains_exactly_like_no_fp8(tmp_path, shakespeare_dir, capsys):

@@ -30,7 +30,7 @@ from jaxgpt.gpu import cost, perf
 from jaxgpt.gpu.target import INSTALL, compile_only_devices, compiling_for, device_memory_bytes, plugin_missing_reason
 from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_operand_types, fused_attention_counts,
                         gemm_layers, while_bodies)
-from jaxgpt.model import flash
+from jaxgpt.lowering import flash
 from jaxgpt.plan import Compiled, lower_step, plan
 
 needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
@@ -71,7 +71,7 @@ def h100s() -> list:
 @pytest.fixture(scope="module")
 def compiled(h100s) -> dict[str, Compiled]:
     """Every step this module reads, compiled once: the TINY_LAYOUTS, gpt2-124m's 'dp=8' and 'fsdp=8',
-    'gpt2_one_gpu' (bf16 and fp8, and bf16 with its layers scanned), 'modern', 'documents', 'context' and 'mosaic' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
+    'gpt2_one_gpu' (bf16 and fp8), 'modern', 'documents', 'context' and 'mosaic' (below), the fp8 ones with Triton GEMMs off as jaxgpt.plan compiles
     them. Lowered one at a time (tracing holds the GIL), compiled in threads (XLA:GPU's compile
     mostly runs on one core: 172 s -> 115 s on 2 cores)."""
     jobs = {name: (lower_step(tiny_config(*overrides, mesh=mesh), h100s, "h100"), None)
@@ -79,8 +79,6 @@ def compiled(h100s) -> dict[str, Compiled]:
     jobs |= {mesh: (lower_step(load_config("gpt2-124m", GPT2, mesh), h100s, "h100"), None)
              for mesh in ("dp=8", "fsdp=8")}
     jobs["gpt2_one_gpu"] = lower_step(load_config("gpt2-124m", GPT2_ONE_GPU, "dp=1"), h100s[:1], "h100"), None
-    jobs["gpt2_one_gpu_scanned"] = lower_step(load_config("gpt2-124m", [*GPT2_ONE_GPU, "model.scan_layers=true"], "dp=1"),
-                                              h100s[:1], "h100"), None
     # fp8 as bundled: 4 micro-batches of the same 128 x 1,024 rows, so the weights' once-per-step e4m3 copies too
     jobs["gpt2_one_gpu_fp8"] = lower_step(load_config("gpt2-124m", ["model.n_layer=2", FP8], "dp=1"), h100s[:1], "h100"), None
     jobs["modern"] = lower_step(tiny_config(*MODERN, "train.grad_accum=2", mesh="dp=2,fsdp=2,tp=2"), h100s, "h100"), None
@@ -213,13 +211,17 @@ def _arrays_of(text: str, elements: int) -> list[tuple[str, int, int, list[str]]
 
 
 @needs_plugin
+@pytest.mark.guards("norm_vjp", "gelu_derivative")
 def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     """gpt2-124m's micro-batch on one H100 (128 x 1,024 rows of D=768, F=3072): no memory-bound
-    kernel writes an fp32 [rows, D] tensor (with autodiff's norm backward these 2 layers wrote
-    seven, five of them g * xhat for dscale's column sum: model/norm.py), and the tanh-GELU's
+    kernel of the norms writes an fp32 [rows, D] tensor (with autodiff's norm backward these 2
+    layers wrote seven, five of them g * xhat for dscale's column sum: jaxgpt/lowering/norm.py); two
+    are the embedding's, its sum written in fp32 beside the rounded one and the first norm's dx in
+    fp32 for its scatter (a forward barrier kept them out until it was retired: 0.1% of the step,
+    docs/ops.md); and the tanh-GELU's
     [rows, F] traffic is its minimum: per layer, the forward reads h and writes gelu(h) and its
     derivative, the backward's product g gelu'(h) runs in the epilogue of the MLP out GEMM that
-    writes g, which reads the derivative (model/activations.py gelu_tanh_keeping_derivative), and
+    writes g, which reads the derivative (jaxgpt/lowering/activations.py gelu_tanh_keeping_derivative), and
     only c_fc's bias gradient reads dh, each bf16. Keeping h instead, the backward read h and g and
     wrote dh in a pass of its own (gelu_tanh). At 4 x 1,024 rows a device (the dp=8 step) XLA still
     writes g * xhat: not asserted there."""
@@ -227,7 +229,7 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
     _, instrs = _instructions(text)
     rows, D, F, L = 128 * 1024, 768, 3072, 2
     wide_f32 = [k for k in _arrays_of(text, rows * D) if k[2] and "f32" in k[3][k[1]:]]
-    assert not wide_f32, wide_f32
+    assert len(wide_f32) <= 2, wide_f32  # the embedding's two
     gelu = _arrays_of(text, rows * F)
     assert {t for k in gelu for t in k[3]} == {"bf16"}, gelu
     assert sorted((r, w) for _, r, w, _ in gelu) == [(1, 0)] * L + [(1, 2)] * L, gelu
@@ -239,30 +241,11 @@ def test_norm_and_gelu_backward_move_only_bf16_rows(compiled):
 
 
 @needs_plugin
-def test_scanned_layers_keep_the_residual_stream_in_rows(compiled):
-    """gpt2-124m's micro-batch on one H100 with its layers scanned (model.scan_layers=true, the
-    default): no memory-bound kernel transposes an array of the residual stream's size (128 x 1,024
-    rows of D=768), and each writes it as rows of D (or of a head's 64, q, k, v). The scan carries the
-    stream as [B*T, D] (jaxgpt/model/gpt.py run_blocks); carried as [B, T, D], XLA:GPU laid the
-    backward pass's gradient out as [T, D, B] and transposed it into and out of that layout in
-    every layer (gpt2-124m scanned: 1,362.3 -> 1,322.2 ms a step predicted)."""
-    text = compiled["gpt2_one_gpu_scanned"].compiled.as_text()
-    _, instrs = _instructions(text)
-    rows, D = 128 * 1024, 768
-    moved = []
-    for k in _memory_bound(text, instrs):
-        for dims in re.findall(r"\b[a-z][a-z0-9]*\[([\d,]*)\]", k.shape):
-            if dims and math.prod(map(int, dims.split(","))) == rows * D \
-                    and ("transpose" in k.name or int(dims.split(",")[-1]) not in (D, 64)):
-                moved.append((k.name, dims))
-    assert not moved, moved
-
-
-@needs_plugin
+@pytest.mark.guards("qkv_gemms")
 def test_q_k_and_v_come_from_their_own_gemms_with_the_bias_in_the_epilogue(compiled):
     """gpt2-124m's micro-batch on one H100 (2 layers, bf16): attention's q, k and v are a GEMM each,
     on its slice of c_attn [D, 3, H, K], with the bias added in the GEMM's epilogue, and cuDNN's
-    kernels read them as the GEMMs wrote them (jaxgpt/model/attention.py `_qkv`). No memory-bound
+    kernels read them as the GEMMs wrote them (jaxgpt/lowering/ops.py `Lowering._parts`). No memory-bound
     kernel reads a q, k or v GEMM's output, nor reads or writes a [rows, 3D] array: one GEMM for all
     three wrote [B, T, 3, H, K], split with the bias by a pass of its own per layer, and the three
     gradients were joined by another for its backward GEMMs (gpt2-124m on one H100, 981.8 -> 956.6
@@ -284,15 +267,16 @@ def _op_name(instr) -> str:
 
 
 @needs_plugin
+@pytest.mark.guards("norm_recompute", "residual_epilogue", "qkv_bias_drop")
 def test_forward_norms_are_one_pass_and_the_residual_add_rides_in_the_gemms(compiled):
     """gpt2-124m's micro-batch on one H100 (2 layers, bf16). In each block's forward the only
     memory-bound kernels that touch a residual-stream-sized array (rows x D) are its two norms,
-    each reading x once and writing y once (XLA:GPU's Triton normalization fusion: model/norm.py
+    each reading x once and writing y once (XLA:GPU's Triton normalization fusion: jaxgpt/lowering/norm.py
     recomputes the statistics in the backward); the residual adds run in attention's and the MLP's
-    c_proj GEMMs, which read the stream beside their input (model/blocks.py `_residual`). Keeping
+    c_proj GEMMs, which read the stream beside their input (jaxgpt/lowering/ops.py `Lowering.residual`). Keeping
     the statistics each norm was three kernels (the row mean with the residual add, the variance,
     y): gpt2-124m 956.6 -> 934.9 ms a step predicted. And only q's GEMM adds a bias (k's cancels in
-    softmax, v's goes into attn_out's: model/attention.py `_qkv`)."""
+    softmax, v's goes into attn_out's: jaxgpt/lowering/ops.py `Lowering._parts`)."""
     text = compiled["gpt2_one_gpu"].compiled.as_text()
     _, instrs = _instructions(text)
     rows, D, F, L = 128 * 1024, 768, 3072, 2
@@ -310,21 +294,19 @@ def test_forward_norms_are_one_pass_and_the_residual_add_rides_in_the_gemms(comp
 
 
 @needs_plugin
+@pytest.mark.guards("norm_vjp", "routed_bias")
 def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(compiled):
-    """gpt2-124m's micro-batch on one H100 (2 layers, bf16): LayerNorm's dscale and dbias are one
-    variadic column sum (model/norm.py), so XLA:GPU computes them in the kernel that writes dx: no
-    memory-bound kernel reads the norm's input and its incoming gradient, two [rows, D] arrays, only
-    to sum columns. As two sums beside the residual branch's bias gradient, three column reductions
-    in all, XLA took one of them out into such a pass, in all 5 norms (0.159 ms each at this
-    micro-batch). One such pass is left: layer 0's ln_1, whose dx goes to the embedding's scatter.
+    """gpt2-124m's micro-batch on one H100 (2 layers, bf16): the hand-written LayerNorm backward
+    (jaxgpt/lowering/norm.py) sums dscale and dbias in the kernel that writes dx: no memory-bound
+    kernel reads the norm's input and its incoming gradient, two [rows, D] arrays, only to sum
+    columns (one such pass at most: layer 0's ln_1, whose dx goes to the embedding).
 
     And the residual branches' bias sums (attention's and the MLP's c_proj, whose bias is in their
-    GEMMs' epilogues: model/layers.py `project_out`) ride in the dx pass of the norm after them:
-    ln_1 and ln_2 route their own bias's gradient through the linears they feed (model/layers.py
-    `Norm.routed`, a GEMV each), which leaves that pass one column sum of its own. Only the last
-    block's MLP sums its bias in a pass of its own, reading the one gradient: ln_f routes nothing.
-    With each norm summing its bias, each branch bias was such a pass (0.081 ms; gpt2-124m on one
-    H100, 909.5 -> 902.7 ms a step predicted)."""
+    GEMMs' epilogues: jaxgpt/lowering/ops.py `Lowering.linear`) ride in the dx pass of the norm
+    after them: ln_1 and ln_2 route their own bias's gradient through the linears they feed
+    (`Lowering.norm`, routed_bias: a GEMV each), which leaves that pass one column sum of its own.
+    At most the last block's MLP sums its bias in a pass of its own, reading the one gradient (ln_f
+    routes nothing). With each norm summing its bias, each branch bias was such a pass."""
     text = compiled["gpt2_one_gpu"].compiled.as_text()
     _, instrs = _instructions(text)
     rows, D = 128 * 1024, 768
@@ -339,15 +321,16 @@ def test_layernorm_backward_sums_dscale_and_dbias_in_the_pass_that_writes_dx(com
         elif wide == 1:
             lone.append((k.name, _op_name(instrs[k.name])))
     assert len(column_sums) <= 1, column_sums
-    assert len(lone) == 1 and "/mlp_out/" in lone[0][1], lone
+    assert len(lone) <= 1 and all("/mlp_out/" in op for _, op in lone), lone
 
 
 @needs_plugin
+@pytest.mark.guards("fused_loss")
 def test_head_writes_bf16_logits_and_passes_over_them_twice(compiled):
     """gpt2-124m's micro-batch on one H100: each loss chunk is 8,192 rows (128 sequences x 64
     positions) of the 50,304 padded vocabulary. Its logits GEMM writes them in bf16, and two
     memory-bound kernels touch such an array, both in bf16: the one-pass max and sum reads the
-    logits, the exp pass reads them and writes e for the two gradient GEMMs (jaxgpt/model/loss.py).
+    logits, the exp pass reads them and writes e for the two gradient GEMMs (jaxgpt/lowering/loss.py).
     With fp32 logits those were 4-byte arrays: 1,031.5 -> 991.2 ms predicted for the whole step."""
     text = compiled["gpt2_one_gpu"].compiled.as_text()
     head = _arrays_of(text, 8192 * 50304)
@@ -358,13 +341,14 @@ def test_head_writes_bf16_logits_and_passes_over_them_twice(compiled):
 
 
 @needs_plugin
+@pytest.mark.guards("fp8_pins")
 def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true (128 x 1,024 rows, D=768, F=3072):
     every f8 copy of an activation or gradient is cast from a bf16 array, none from fp32, and no
     kernel writes an fp32 [rows, D] or [rows, F] array. Before power-of-two scales every fp8 GEMM
     wrote fp32 for the next fusion to rescale; without `quantize(pin=True)` on the incoming
     gradient XLA:GPU dropped the GELU backward's rounding and wrote dh in fp32 (1.6 GB a layer and
-    micro-batch) for the e5m2 cast to read back (jaxgpt/model/fp8.py)."""
+    micro-batch) for the e5m2 cast to read back (jaxgpt/lowering/fp8.py)."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
     rows, D, F = 128 * 1024, 768, 3072
     for n in (rows * D, rows * F):
@@ -375,14 +359,15 @@ def test_fp8_casts_activations_and_gradients_from_bf16(compiled):
 
 
 @needs_plugin
+@pytest.mark.guards("activation_amax", "prequantize")
 def test_fp8_gelu_is_computed_where_it_is_cast(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true: the MLP's activation gelu(h) exists
     only as its two e4m3 copies (the GEMM's and the transposed one for dw), written by the kernel
     that computes it from h; per layer the only [rows, F] array a memory-bound kernel writes in bf16
     is the backward's dh. h itself, with its bias, is the MLP in GEMM's output (cuBLASLt's epilogue:
-    model/fp8.py `_pre_forward`), which its amax pass reads without writing it again; with the bias
+    jaxgpt/lowering/fp8.py `_pre_forward`), which its amax pass reads without writing it again; with the bias
     added after the GEMM that pass wrote h a second time (gpt2-124m fp8, 923.0 -> 908.3 ms a step
-    predicted). Its amax comes from h's largest value (model/activations.py activation_amax);
+    predicted). Its amax comes from h's largest value (jaxgpt/lowering/activations.py activation_amax);
     reducing gelu(h) itself made XLA write gelu(h) in bf16 for the reduction and the cast to read
     (3 bf16 writes a layer)."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
@@ -392,10 +377,11 @@ def test_fp8_gelu_is_computed_where_it_is_cast(compiled):
 
 
 @needs_plugin
+@pytest.mark.guards("norm_amax")
 def test_fp8_norm_outputs_are_cast_without_a_pass_for_their_amax(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true: the two norms that feed fp8 GEMMs
     (ln_1 -> q, k, v; ln_2 -> the MLP's in) give their e4m3 casts a bound on max |y| from their own
-    statistics (model/norm.py `normalize_with_amax`: the row maxima of |x - mean| in the pass that
+    statistics (jaxgpt/lowering/norm.py `normalize_with_amax`: the row maxima of |x - mean| in the pass that
     sums the variance), so no forward kernel under the qkv or mlp_in scope reads a [rows, D] array
     to reduce it: each such max was a pass of its own over the norm's output (gpt2-124m fp8,
     908.3 -> 900.6 ms a step predicted; gpt2-1.3b 3,086.7 -> 3,061.6)."""
@@ -439,11 +425,12 @@ def _reducers(comps: dict, fusion_line: str) -> set[str]:
 
 
 @needs_plugin
+@pytest.mark.guards("fp8_pins")
 def test_fp8_gradient_is_read_once_for_its_amax_and_bias_gradient(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true: no memory-bound kernel reads a bf16
     gradient that is cast to e5m2 only to take its maximum. The amax is reduced over the rows first,
     the bias gradient's shape, so XLA:GPU computes it in the kernel that sums the bias gradient
-    (model/fp8.py `_column_amax`). As one full reduction it took a kernel of its own: the qkv
+    (jaxgpt/lowering/fp8.py `_column_amax`). As one full reduction it took a kernel of its own: the qkv
     gradient [rows, 3D] and attn_out's and mlp_out's [rows, D] were each read once more per layer
     and micro-batch (gpt2-1.3b fp8: 3,333.4 -> 3,277.6 ms predicted)."""
     text = compiled["gpt2_one_gpu_fp8"].compiled.as_text()
@@ -461,6 +448,7 @@ def test_fp8_gradient_is_read_once_for_its_amax_and_bias_gradient(compiled):
 
 
 @needs_plugin
+@pytest.mark.guards("fp8_pins", "prequantize")
 def test_fp8_gemm_outputs_are_rescaled_inside_the_gemm_or_their_consumer(compiled):
     """gpt2-124m's micro-batch on one H100 with model.fp8=true: no memory-bound kernel reads an fp8
     GEMM's output and nothing else but scalars, only to multiply it by the two scales (the GELU
@@ -537,6 +525,7 @@ def _f8_only_kernels(text: str, gpus: int) -> list[tuple[str, int, str, list[int
 
 
 @needs_plugin
+@pytest.mark.guards("prequantize", "fp8_pieces")
 def test_fp8_moves_no_standalone_f8_copy_per_micro_batch(compiled):
     """gpt2-124m with model.fp8=true as bundled (2 of its layers, 4 micro-batches of 128 x 1,024
     rows, one H100): no kernel of the micro-batch loop reads only fp8 arrays and writes fp8 ones (a
@@ -581,6 +570,7 @@ def test_xla_slices_a_stacked_bf16_gemm_operand_in_place_but_copies_an_fp8_one(h
 
 
 @needs_plugin
+@pytest.mark.guards("prequantize")
 def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(compiled):
     """Issue 38 item 1 on every fp8 layout: a kernel that runs more than once a step (in the
     micro-batch or the layer loop) and moves only fp8 data is one of the kinds XLA needs:
@@ -600,7 +590,7 @@ def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(c
     its own at these widths (at gpt2-124m's, 2 layers on fsdp=8 with remat=full, it does so for the
     recomputed norms' outputs: 0.41 of 95.8 ms a step predicted), nor on the pipeline's and the
     fp8 head's (the head transposes its e4m3 table once a micro-batch, in a kernel of its own, for
-    its dx GEMMs; unpinned, in every chunk: jaxgpt/model/loss.py): there a kernel may also
+    its dx GEMMs; unpinned, in every chunk: jaxgpt/lowering/loss.py): there a kernel may also
     transpose the output of a cast in its own loop body (or the fp8 head's table), no more."""
     strict = {"dp8_accum2_fp8", "fsdp8_accum2_remat_full_fp8", "dp2_fsdp4_accum2_remat_dots_fp8"}
     assert strict <= set(FP8_LAYOUTS)
@@ -628,11 +618,12 @@ def test_fp8_layouts_copy_block_weights_only_where_the_loop_or_the_gather_must(c
 
 
 @needs_plugin
+@pytest.mark.guards("prequantize")
 def test_fp8_weights_are_quantized_once_per_step_not_per_micro_batch(compiled):
     """With micro-batches (grad_accum 2) under dp, dp x fsdp and dp x fsdp x tp, GPT-2's block and
     the modern one (grouped-query q and kv weights, SwiGLU's gate), every kernel that casts a block
     weight to e4m3 runs once per step, before the micro-batch loop, and writes the layouts the GEMMs
-    read (jaxgpt/model/layers.py prequantize_weights). Quantized inside the loop, as before, each ran
+    read (jaxgpt/copies.py). Quantized inside the loop, as before, each ran
     once per micro-batch and layer (4 times here)."""
     for name in ("dp8_accum2_fp8", "dp2_fsdp4_accum2_remat_dots_fp8", "fsdp8_accum2_remat_full_fp8",
                  "dp2_fsdp2_tp2_accum2_fp8_head", "modern"):
@@ -659,10 +650,11 @@ def _gathered(text: str) -> list[tuple[str, str]]:
 
 
 @needs_plugin
+@pytest.mark.guards("grads_in_gemm", "precast")
 def test_weight_gradients_are_summed_inside_their_gemms(compiled):
     """gpt2-124m on dp=8 (2 unrolled layers, 16 micro-batches, bf16): the sum of each block weight's
     gradient over the micro-batches is taken in the GEMM that computes it (jaxgpt/step.py sums them
-    per layer, jaxgpt/model/layers.py `_precast_einsum` writes them in fp32): the MLP weights'
+    per layer, jaxgpt/lowering/linear.py `_precast_einsum` writes them in fp32): the MLP weights'
     gradient GEMMs read their fp32 sums, and no kernel of the micro-batch loop writes an fp32 array
     of a stacked [L, ...] weight's shape (q, k and v's gradients are summed each on its own,
     `gemm_pieces`: their GEMMs split K at this size, and the kernel that adds the parts adds the
@@ -693,6 +685,33 @@ def test_fsdp_gathers_bf16_weights_and_reduce_scatters_gradients(gpt2):
     block = [dtype for dtype, dims in _gathered(text) if dims in ("768,3,12,64", "768,64,12", "768,3072")]
     assert len(block) >= 4 and set(block) == {"bf16"}, block
     assert any(collectives(body)["reduce-scatter"] >= 1 for body in while_bodies(text))
+
+
+FSDP_LAYOUTS = [name for name, (mesh, _) in TINY_LAYOUTS.items() if "fsdp" in mesh]
+
+
+@needs_plugin
+@pytest.mark.guards("tables_in_compute_dtype")
+def test_fsdp_gathers_no_fp32_table(compiled):
+    """Issue 59 item 1, on every fsdp layout compiled here (GPT-2's and the modern block, fp8,
+    micro-batches, remat, a pipeline, the fp8 head, document masking, gpt2-124m): the embedding and
+    head tables (wte, wpe, lm_head) are gathered in bf16, once a step, from copies cast where each
+    shard lives (jaxgpt/copies.py `table_copies`), never in fp32: no all-gather returns an
+    fp32 array of a table's shard size or more (wte's [V, D] split at most over fsdp x tp) or of
+    wpe's [T, D]; and a bf16 one does. Before, XLA's sharding propagation carried the gathered
+    layout back through the cast and gathered the fp32 parameters: llama-tiny on fsdp=4,tp=2, 49.1
+    of the 50.5 MiB gathered a step (docs/ops.md)."""
+    names = [*FSDP_LAYOUTS, "fsdp=8", "modern", "documents", *(["mosaic"] if "mosaic" in compiled else [])]
+    for name in names:
+        mesh, overrides = TINY_LAYOUTS.get(name) or {"modern": ("dp=2,fsdp=2,tp=2", MODERN),
+                                                      "documents": ("dp=2,fsdp=2,tp=2", DOCUMENTS),
+                                                      "mosaic": ("fsdp=4,tp=2", [*MODERN, *MOSAIC])}.get(name, (name, GPT2))
+        m = (load_config("gpt2-124m", overrides, mesh) if name == "fsdp=8" else tiny_config(*overrides, mesh=mesh)).model
+        shard = m.padded_vocab * m.n_embd // 16
+        gathered = [(dtype, dims) for dtype, dims in _gathered(compiled[name].compiled.as_text())]
+        tables = [(dtype, dims) for dtype, dims in gathered if dtype in ("f32", "bf16") and (
+                  math.prod(map(int, dims.split(","))) >= shard or dims in (f"{m.seq_len},{m.n_embd}", f"{m.n_embd},{m.seq_len}"))]
+        assert tables and {dtype for dtype, _ in tables} == {"bf16"}, (name, tables)
 
 
 @needs_plugin
@@ -754,7 +773,7 @@ def test_fp8_gemms_are_cublaslt_fp8_calls(tiny):
     every block GEMM is a cuBLASLt fp8 call, `__cublas$lt$matmul$f8`, and the target description
     carries the CUDA toolkit version that the rewrite needs. Each call writes the compute dtype
     (bf16), rounded once inside the GEMM, not an fp32 result for the next fusion to rescale and
-    cast (power-of-two scales, jaxgpt/model/fp8.py)."""
+    cast (power-of-two scales, jaxgpt/lowering/fp8.py)."""
     text = tiny["dp8_accum2_fp8"]
     assert _block_gemms(text) == {(layer, role): n for layer in ("qkv", "attn_out", "mlp_in", "mlp_out")
                                   for role, n in (("forward", 1), ("backward", 2))}
@@ -779,7 +798,7 @@ def _block_weights(cfg, tp: int) -> dict[str, tuple[int, ...]]:
 @needs_plugin
 def test_fsdp_gathers_fp8_block_weights(tiny, modern, gpt2):
     """Under fsdp with model.fp8=true each block weight is quantized on its shard and gathered as
-    e4m3 (jaxgpt/model/fp8.py): every all-gather of a block weight returns f8e4m3fn, 1 byte an
+    e4m3 (jaxgpt/lowering/fp8.py): every all-gather of a block weight returns f8e4m3fn, 1 byte an
     element, half the bytes of the bf16 gathers without fp8 (gpt2-124m fsdp=8, for comparison: every
     block weight gathered in bf16). A pipeline gathers its stage's fp32 weights once per round
     instead (pipeline.gather_once), fp8 or not."""
@@ -822,7 +841,7 @@ def test_fsdp_fp8_weight_gathers_move_half_the_bf16_bytes(compiled):
     the same step's gathers move in bf16, counted over every execution, with micro-batches and
     remat=full (the weights quantized once per step, the forward GEMMs recomputed in the backward):
     each GEMM's gathered e4m3 weight stands for one bf16 gather. A transposed e4m3 copy made before
-    the loop (jaxgpt/model/fp8.py prequantize) was gathered besides the weight's own: 0.67x."""
+    the loop (jaxgpt/lowering/fp8.py prequantize) was gathered besides the weight's own: 0.67x."""
     fp8, bf16 = (_weight_gather_bytes(compiled[name], name) for name in ("fsdp8_accum2_remat_full_fp8",
                                                                             "fsdp8_accum2_remat_full"))
     assert bf16 > 0 and fp8 == bf16 / 2, (fp8, bf16)
@@ -851,7 +870,7 @@ def test_gpt2_124m_under_dp_fsdp_tp_compiles_for_8_h100():
     partitioner aborted the process (a CHECK in ExpandDeviceGroupsWithIota, from PartitionGather)
     on the token and label lookups from the vocab-split table inside the dp shard_map; the tiny
     model's smaller batches took another gather strategy and compiled. Where fsdp and tp are both
-    > 1 the lookups now read the table whole (model/gpt.py lookup_table). In a subprocess: an abort
+    > 1 the lookups now read the table whole (jaxgpt/lowering/ops.py `Lowering.table_axes`). In a subprocess: an abort
     would end the test session."""
     proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
                            "--config", "gpt2-124m", "--mesh", "dp=2,fsdp=2,tp=2", "model.n_layer=1",
@@ -922,14 +941,21 @@ def _fmha_operand_heads(text: str) -> list[list[int]]:
 def test_modern_block_runs_grouped_query_cudnn_attention_and_fp8_swiglu(modern):
     """cuDNN attention forward and backward with K and V at their own head count (1 per device)
     next to q's 2: the kv heads are never repeated to the query heads' count in memory. The gated
-    MLP's three matmuls (mlp_in, mlp_gate, mlp_out) are fp8 forward and backward like the rest."""
+    MLP's three matmuls (mlp_in, mlp_gate, mlp_out) are fp8 forward and backward like the rest;
+    under fsdp XLA:GPU merges the in and gate GEMMs, which read one cast of the same input, into one
+    forward GEMM and one dx GEMM, each keeping its own dw GEMM (a barrier kept them apart until it
+    was retired: it lost 0.1% on llama-8b fsdp=8, docs/ops.md)."""
     counts = fused_attention_counts(modern)
     assert counts["forward"] >= 1 and counts["backward"] >= 1, counts
     heads = _fmha_operand_heads(modern)
     assert heads and all(h[:3] == [2, 1, 1] for h in heads), heads
     count = _block_gemms(modern)
-    for layer in ("qkv", "attn_out", "mlp_in", "mlp_gate", "mlp_out"):
-        assert count[layer, "forward"] >= 1 and count[layer, "backward"] >= 2, (layer, count)
+    for layer in ("qkv", "attn_out", "mlp_out"):
+        assert count[layer, "backward"] >= 2 and count[layer, "forward"] >= 1, (layer, count)
+    in_gate = ("mlp_in", "mlp_gate")
+    assert all(count[layer, "backward"] >= 1 for layer in in_gate), count  # each its dw
+    assert sum(count[layer, "backward"] for layer in in_gate) >= 3, count  # and dx, merged or not
+    assert sum(count[layer, "forward"] for layer in in_gate) >= 1, count
 
 
 # Document masking (model.document_mask, issue 41) with rotary positions restarting per document and
@@ -987,7 +1013,7 @@ MOSAIC = ["model.attention=mosaic", "train.grad_accum=2", "model.remat=attention
 @needs_plugin
 @pytest.mark.skipif(flash.unavailable_reason() is not None, reason=f"model.attention=mosaic {flash.unavailable_reason()}")
 def test_mosaic_attention_is_tokamaxs_flash_kernels_costed_as_attention(compiled):
-    """model.attention=mosaic (jaxgpt/model/flash.py) on the modern block (grouped K/V, fp8) under
+    """model.attention=mosaic (jaxgpt/lowering/flash.py) on the modern block (grouped K/V, fp8) under
     fsdp x tp: forward and backward are tokamax's Mosaic GPU kernels (for the H100 its sm90 ones:
     the forward, then dQ and dK/dV), no cuDNN call remains, remat=attention keeps the forward's
     outputs (one forward kernel, not a second recomputed one), K and V reach the kernels at their own

@@ -8,16 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_cli, tiny_config, train_losses
+from helpers import lowering, run_cli, tiny_config, train_losses
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
-from jaxgpt.model import flash
-from jaxgpt.model.attention import (causal_attention, cudnn_unavailable_reason, gpu_unavailable_reason,
-                                    reference_attention, select_kernel)
+from jaxgpt.lowering import flash
+from jaxgpt.lowering.attention import (causal_attention, cudnn_unavailable_reason, gpu_unavailable_reason,
+                                       reference_attention, select_kernel)
+from jaxgpt.lowering.fp8 import E4M3, E5M2, fp8_einsum, power_of_two_scale, quantize
 from jaxgpt.model.documents import documents
-from jaxgpt.model.fp8 import E4M3, E5M2, fp8_einsum, power_of_two_scale, quantize
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
 from jaxgpt.tokenizer import EOT_ID
@@ -79,12 +79,13 @@ def _check_kernel(impl, dtype, atol, masked=False):
 
 
 def test_auto_falls_back_to_xla_with_a_reason_and_cudnn_is_refused_on_cpu():
-    kernel, why = select_kernel("auto", jnp.bfloat16, 64)
+    cpu = jax.devices()[0]
+    kernel, why = select_kernel("auto", jnp.bfloat16, 64, cpu)
     assert kernel == "xla" and "NVIDIA GPU" in why
     with pytest.raises(UserError, match="model.attention=cudnn cannot run here"):
-        select_kernel("cudnn", jnp.bfloat16, 64)
+        select_kernel("cudnn", jnp.bfloat16, 64, cpu)
     with pytest.raises(UserError, match="model.attention=mosaic cannot run here: it needs an NVIDIA GPU"):
-        select_kernel("mosaic", jnp.bfloat16, 64)
+        select_kernel("mosaic", jnp.bfloat16, 64, cpu)
     proc = run_cli("--mesh", "dp=8", "model.attention=cudnn", "train.steps=1")
     assert proc.returncode == 2 and "cannot run here" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -96,7 +97,7 @@ def test_auto_falls_back_to_xla_with_a_reason_and_cudnn_is_refused_on_cpu():
     ([], "pp=2,fsdp=4", "cannot run with pp=2"),
 ])
 def test_mosaic_attention_outside_its_layouts_is_one_line_before_compiling(overrides, mesh, words):
-    """model.attention=mosaic (jaxgpt/model/flash.py) runs plain causal attention in steps with no
+    """model.attention=mosaic (jaxgpt/lowering/flash.py) runs plain causal attention in steps with no
     manual shard_map; anything else is refused by validate, naming what to use instead."""
     cfg = tiny_config("model.attention=mosaic", "model.n_layer=4", *overrides, mesh=mesh)
     with pytest.raises(UserError, match=words) as e:
@@ -228,16 +229,16 @@ def test_fp8_head_loss_and_gradients_track_the_exact_head():
     against the same loss in float32, on a default-run-shaped head (D 128, the GPT-2 vocabulary).
     The loss moves by less than e4m3's relative rounding (2^-4) times the logits' spread, and the
     gradients by e5m2's (2^-3) relative error in norm; all three GEMMs of the chunk are fp8."""
-    from jaxgpt.model.loss import chunked_cross_entropy
-    cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16").model
+    from jaxgpt.lowering.loss import chunked_cross_entropy
+    cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16", "model.ops=tuned").model
     keys = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(keys[0], (4, 64, 128), jnp.float32)
     wte = jax.random.normal(keys[1], (50304, 128), jnp.float32) * 0.02
     labels = jax.random.randint(keys[2], (4, 64), 0, cfg.vocab_size)
 
     def loss(fp8_head):
-        c = dataclasses.replace(cfg, fp8_head=fp8_head)
-        return jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels, c, jnp.float32), argnums=(0, 1))
+        ops = lowering(dataclasses.replace(cfg, fp8_head=fp8_head))
+        return jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels, ops, jnp.float32), argnums=(0, 1))
 
     (l8, (dx8, dw8)), (l, (dx, dw)) = jax.jit(loss(True))(x, wte), jax.jit(loss(False))(x, wte)
     logits_std = float(jnp.std(jnp.einsum("btd,vd->btv", x[:1], wte)))
@@ -268,7 +269,7 @@ def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
     """fp8 on dp=2,fsdp=2,tp=2 and pp=2,dp=2,tp=2 vs one device: the per-tensor amax is a global
     max (exact under any sharding; under pp each stage's own tensors), but a different fp32 summation order can move a value across an fp8 rounding
     boundary, so the bound is looser than the fp32 layouts' 1e-4: 1e-3 on losses of ~10.8. Two
-    micro-batches a step, so the weights are quantized once per step (prequantize_weights) on the
+    micro-batches a step, so the weights are quantized once per step (trick prequantize) on the
     flat layouts, inside the dp shard_map too."""
     losses = {}
     for layout, devices in [("dp=1", jax.devices()[:1]), ("dp=2,fsdp=2,tp=2", None), ("pp=2,dp=2,tp=2", None)]:
@@ -305,12 +306,12 @@ def test_remat_lowers_temp_memory_without_changing_the_loss():
 
 
 def test_gelu_backward_recomputes_the_autodiff_gradient():
-    """model/activations.py's gelu_tanh keeps only the pre-activation and recomputes tanh in its backward
+    """jaxgpt/lowering/activations.py's gelu_tanh keeps only the pre-activation and recomputes tanh in its backward
     pass (custom VJP): its value is jax.nn.gelu(approximate=True)'s bit for bit, and its fp32
     gradient is as close to the exact derivative (float64) as autodiff's, over |h| up to 12 (fp32's
     own rounding near the saturated tails, ~3.5e-6, bounds both); in bf16 (computed in fp32 and
     rounded once) it is within bf16's unit roundoff of the fp32 gradient."""
-    from jaxgpt.model.activations import gelu_tanh
+    from jaxgpt.lowering.activations import gelu_tanh
     h = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(0), (4096,)) * 3])
     w = jax.random.normal(jax.random.key(1), h.shape)
     np.testing.assert_array_equal(np.asarray(gelu_tanh(h)), np.asarray(jax.nn.gelu(h, approximate=True)))
@@ -328,11 +329,11 @@ def test_gelu_backward_recomputes_the_autodiff_gradient():
 
 
 def test_gelu_keeping_its_derivative_rounds_the_gradient_twice_at_most():
-    """model/activations.py `gelu_tanh_keeping_derivative` (the bf16 MLP's on a GPU): its value is
+    """jaxgpt/lowering/activations.py `gelu_tanh_keeping_derivative` (trick gelu_derivative: the bf16 MLP's on a GPU): its value is
     jax.nn.gelu's bit for bit, and its bf16 gradient round(g round(gelu'(h))) is within two bf16
     roundings of g gelu'(h) with the derivative in fp32: the derivative kept in bf16 by the forward,
     then the product. `gelu_tanh`'s, which recomputes the derivative in fp32, is within one."""
-    from jaxgpt.model.activations import _gelu_derivative, gelu_tanh, gelu_tanh_keeping_derivative
+    from jaxgpt.lowering.activations import _gelu_derivative, gelu_tanh, gelu_tanh_keeping_derivative
     h = jnp.concatenate([jnp.linspace(-12.0, 12.0, 4001), jax.random.normal(jax.random.key(0), (4096,)) * 3])
     h16, g16 = h.astype(jnp.bfloat16), jax.random.normal(jax.random.key(1), h.shape).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(gelu_tanh_keeping_derivative(h16)),
@@ -347,12 +348,12 @@ def test_gelu_keeping_its_derivative_rounds_the_gradient_twice_at_most():
 
 
 def test_online_logsumexp_matches_two_passes():
-    """The fused loss's one-pass logsumexp (model/loss.py online_lse over online_max_sum, the
+    """The fused loss's one-pass logsumexp (jaxgpt/lowering/loss.py online_lse over online_max_sum, the
     reduction a GPU runs) against jax.nn.logsumexp on the head's shape: rows at several scales
     (the running max grows and rescales the sum), the vocabulary padding at -inf, a row of only
     -inf (-inf, not NaN) and a logit of 1e30 (the sum of exp of the others vanishes, no overflow). Equal to fp32 rounding of
     the largest logit: 1e-6 relative."""
-    from jaxgpt.model.loss import online_lse
+    from jaxgpt.lowering.loss import online_lse
     x = jax.random.normal(jax.random.key(0), (4, 8, 50304)) * jnp.array([0.1, 1.0, 10.0, 100.0])[:, None, None]
     x = x.at[..., 50257:].set(-jnp.inf).at[0, 0].set(-jnp.inf).at[1, 1, 5].set(1e30)
     ours, reference = np.asarray(jax.jit(online_lse)(x)), np.asarray(jax.jit(jax.nn.logsumexp, static_argnums=1)(x, -1))
@@ -363,7 +364,7 @@ def test_online_logsumexp_matches_two_passes():
 def _assert_same_gradient(cfg, path, a, b) -> None:
     """a (with the copies) is b (in the loop) bit for bit; but for the bias of an fp8 GEMM that takes
     it in its epilogue (q, k and v; the MLP's in and gate), whose gradient the prequantized GEMMs sum
-    in fp32 (model/fp8.py `_pre_backward`) where autodiff of the in-loop bias add sums it in bf16:
+    in fp32 (jaxgpt/lowering/fp8.py `_pre_backward`) where autodiff of the in-loop bias add sums it in bf16:
     within 2^-5 of its largest element."""
     a, b = np.asarray(a), np.asarray(b)
     leaf = tuple(getattr(k, "key", None) for k in path)
@@ -375,21 +376,24 @@ def _assert_same_gradient(cfg, path, a, b) -> None:
         np.testing.assert_array_equal(a, b, err_msg=str(path))
 
 
-def _copies_and_in_loop(cfg, rows: int, make_copies) -> tuple:
-    """A bf16 micro-batch of `rows` sequences through `cfg`'s model: (params, the copies
-    `make_copies(blocks, axes)` makes of its block weights, loss(params, copies), (loss, grads) with
-    the copies, (loss, grads) with each weight cast or quantized inside its layer instead)."""
+def _copies_and_in_loop(cfg, rows: int, fp32_grads: bool = False) -> tuple:
+    """A bf16 micro-batch of `rows` sequences through `cfg`'s model, tuned (jaxgpt/lowering/):
+    (params, the copies the train step makes of its block weights once per step (copies.py),
+    loss(params, copies), (loss, grads) with the copies, (loss, grads) with each weight cast or
+    quantized inside its layer instead)."""
     from flax import nnx
 
-    from jaxgpt.model import GPT, with_prequantized
+    from jaxgpt.copies import copies_once_per_step, with_copies
+    from jaxgpt.model import GPT
     from jaxgpt.step import objective_fn, param_logical_axes
-    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0)), nnx.Param)
+    ops = lowering(cfg, "tuned")
+    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0), ops), nnx.Param)
     params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
     batch_BT1 = jax.random.randint(jax.random.key(1), (rows, cfg.seq_len + 1), 0, cfg.vocab_size)
-    pre = make_copies(params["blocks"], axes["blocks"])
+    pre = copies_once_per_step(params["blocks"], axes["blocks"], ops, jnp.bfloat16, fp32_grads)
 
     def loss(p, pre):
-        return objective_fn(with_prequantized(p, pre, axes["blocks"]), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
+        return objective_fn(with_copies(p, pre, axes["blocks"]), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
 
     return params, pre, loss, *(jax.jit(jax.value_and_grad(loss))(params, q) for q in (pre, None))
 
@@ -401,19 +405,17 @@ def _copies_and_in_loop(cfg, rows: int, make_copies) -> tuple:
 ], ids=["gpt2", "llama"])
 def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides, weights):
     """With micro-batches the train step quantizes the fp8 block weights once per step, before its
-    loop (model/layers.py prequantize_weights; each GEMM then reads the e4m3 copy in the layout it
+    loop (trick prequantize, jaxgpt/copies.py; each GEMM then reads the e4m3 copy in the layout it
     takes). A micro-batch's loss and every gradient are bit for bit those of quantizing each weight
     inside the layer, for every kind (GQA's q and kv weights, SwiGLU's gate too), in bf16, with the
     layers unrolled (GPT-2 here, the copies per layer) and scanned (Llama, the copies stacked); and no
     max-reduction over a block weight is left in the prequantized loss (the weights' amax is taken
     outside)."""
-    from jaxgpt.model import prequantize_weights
     cfg = tiny_config("model.fp8=true", *overrides).model
     # 3 sequences: 4 x 32 rows of D = 32 made the norm's [rows, D] row maxima (norm.py
     # `normalize_with_amax`) the shape of mlp_out's weight [4D, D] (2 x 32 rows SwiGLU's [64, D]),
     # which the check below tells by shape
-    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3, lambda blocks, axes: prequantize_weights(
-        blocks, axes, cfg.fp8_linears(), jnp.bfloat16, unrolled=not cfg.scan_layers))
+    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3)
     assert {module: sorted(ws) for module, ws in pre.items()} == weights
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):
@@ -426,18 +428,18 @@ def test_prequantized_fp8_weights_give_the_in_loop_loss_and_gradients(overrides,
 
 def test_fp32_weight_gradients_round_to_the_in_loop_ones():
     """Where the train step sums the block weights' gradients inside their GEMMs
-    (jaxgpt.config.weight_grads_summed_in_gemm: unrolled layers, micro-batches), the copies made once
-    per step are the *Fp32Grad ones, whose gradient GEMMs write fp32 (model/layers.py
-    `_precast_einsum`, model/fp8.py `_pre_backward`). In bf16, GPT-2 unrolled with qkv and mlp_out
+    (trick grads_in_gemm: unrolled layers, micro-batches), the copies made once
+    per step are the *Fp32Grad ones, whose gradient GEMMs write fp32 (jaxgpt/lowering/linear.py
+    `_precast_einsum`, fp8.py `_pre_backward`). In bf16, GPT-2 unrolled with qkv and mlp_out
     in fp8: the loss and every other gradient are bit for bit the in-loop ones; an fp8 weight's
     gradient rounds to the in-loop one exactly (the same fp32 sum, its power-of-two rescale exact);
     a bf16 one is within 2^-5 of its largest element: XLA:CPU's bf16 dot, which autodiff's in-loop
-    gradient takes, is off by up to 2% of it here (tests/test_custom_vjps.py holds the fp32 one
-    to 1e-6 of the exact sum)."""
-    from jaxgpt.model import PrecastFp32Grad, PrequantizedFp32Grad, copies_once_per_step
+    gradient takes, is off by up to 2% of it here (tests/test_ops.py holds the fp32 one to 1e-6 of
+    the exact sum)."""
+    from jaxgpt.lowering.fp8 import PrequantizedFp32Grad
+    from jaxgpt.lowering.linear import PrecastFp32Grad
     cfg = tiny_config("model.scan_layers=false", "model.fp8=qkv,mlp_out").model
-    _, pre, _, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3, lambda blocks, axes: copies_once_per_step(
-        blocks, axes, cfg.fp8_linears(), jnp.bfloat16, unrolled=True, fp32_grads=True))
+    _, pre, _, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3, fp32_grads=True)
     kinds = {(module, name): type(p) for module, ws in pre.items() for name, p in ws.items()}
     assert sorted(k.__name__ for k in kinds.values()) == ["PrecastFp32Grad"] * 2 + ["PrequantizedFp32Grad"] * 2
     assert float(l_pre) == float(l_in)
@@ -457,15 +459,12 @@ def test_fp32_weight_gradients_round_to_the_in_loop_ones():
                                         "model.n_kv_head=2", "model.bias=false"]], ids=["gpt2", "gpt2-fp8-mixed", "llama"])
 def test_precast_weights_give_the_in_loop_loss_and_gradients(overrides):
     """With micro-batches the train step casts the block weights that are not fp8 to the compute
-    dtype once per step, before its loop (model/layers.py precast_weights), instead of in every
+    dtype once per step, before its loop (trick precast, jaxgpt/copies.py), instead of in every
     micro-batch. A micro-batch's loss and every fp32 gradient are bit for bit those of casting in
     the layer, in bf16, unrolled (per-layer copies, also beside fp8 kinds' prequantized ones) and
     scanned (stacked copies); and no block weight is cast inside the loss any more."""
-    from jaxgpt.model import copies_once_per_step
     cfg = tiny_config(*overrides).model
-    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(  # 96 rows: no weight's shape
-        cfg, 3, lambda blocks, axes: copies_once_per_step(blocks, axes, cfg.fp8_linears(), jnp.bfloat16,
-                                                          unrolled=not cfg.scan_layers))
+    params, pre, loss, (l_pre, g_pre), (l_in, g_in) = _copies_and_in_loop(cfg, 3)  # 96 rows: no weight's shape
     assert sum(len(ws) for ws in pre.values()) == (6 if cfg.mlp == "swiglu" else 4)
     assert float(l_pre) == float(l_in)
     for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_pre)[0], jax.tree.leaves(g_in)):

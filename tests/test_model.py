@@ -8,16 +8,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import tiny_config
+from helpers import lowering, tiny_config
 
 from jaxgpt.config import load_config
+from jaxgpt.lowering.loss import chunk_positions, chunked_cross_entropy
 from jaxgpt.model import GPT, param_count
-from jaxgpt.model.loss import chunk_positions
 from jaxgpt.step import loss_fn
 
 
-def _model(cfg):
-    return GPT(cfg.model, nnx.Rngs(0))
+def _model(cfg, ops: str | None = None):
+    """cfg's model, computing in the reference forms, or (ops) through a one-device lowering."""
+    return GPT(cfg.model, nnx.Rngs(0), None if ops is None else lowering(cfg.model, ops))
 
 
 def test_causality_through_gradients():
@@ -94,14 +95,15 @@ def test_bf16_compute_stays_close_to_fp32():
     assert abs(loss(jnp.bfloat16) - loss(jnp.float32)) < 0.02
 
 
-@pytest.mark.parametrize("chunk", [1, 8, 32])
-def test_fused_chunked_loss_equals_whole_logits_autodiff(chunk):
-    """The fused head + cross-entropy (jaxgpt/model/loss.py) over chunks of `chunk` positions gives the
+@pytest.mark.parametrize("chunk, ops", [(1, "tuned"), (8, "tuned"), (32, "tuned"), (8, "reference")])
+def test_chunked_loss_equals_whole_logits_autodiff(chunk, ops):
+    """The loss over chunks of `chunk` positions, fused (jaxgpt/lowering/loss.py: the gradients in
+    the forward pass) or the reference form (jaxgpt/model/ops.py: each chunk recomputed), gives the
     loss and every gradient of optax's cross-entropy on the whole logits, differentiated by JAX;
     the padding rows of the tied embedding get no gradient there either. fp32: only the order of
     sums differs (a loss of ~10.8, gradients of ~1e-2), so 1e-6 absolute."""
     cfg = tiny_config(f"model.loss_chunk={chunk}")
-    graphdef, params = nnx.split(_model(cfg), nnx.Param)
+    graphdef, params = nnx.split(_model(cfg, ops), nnx.Param)
     params = nnx.to_pure_dict(params)
     batch_BT1 = jax.random.randint(jax.random.key(1), (4, cfg.model.seq_len + 1), 0, cfg.model.vocab_size)
 
@@ -127,8 +129,8 @@ def test_fused_loss_in_bf16_is_cross_entropy_of_the_bf16_logits():
     fp32's last bit at 16.6 (1.9e-6 measured); against the unrounded fp32 logits it moves by 7e-4,
     so rounding in the wrong place fails. The gradients carry e = exp(logits - max) rounded to bf16
     into their GEMMs: within bf16's unit roundoff in norm."""
-    from jaxgpt.model.loss import chunked_cross_entropy
     cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16").model
+    ops = lowering(cfg, "tuned")
     keys = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(keys[0], (4, 64, 128), jnp.float32)
     wte = jax.random.normal(keys[1], (50304, 128), jnp.float32) * 0.3  # logits' std ~3.3
@@ -139,7 +141,7 @@ def test_fused_loss_in_bf16_is_cross_entropy_of_the_bf16_logits():
                             preferred_element_type=jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits[..., :cfg.vocab_size], labels).mean()
 
-    ours = jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels, cfg, jnp.bfloat16), argnums=(0, 1))
+    ours = jax.value_and_grad(lambda x, w: chunked_cross_entropy(x, w, labels, ops, jnp.bfloat16), argnums=(0, 1))
     (loss, grads), (ref_loss, ref_grads) = (jax.jit(f)(x, wte) for f in (ours, jax.value_and_grad(reference, (0, 1))))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=0, atol=1e-5)
     for g, r in zip(grads, ref_grads):
@@ -167,14 +169,18 @@ def test_unrolled_layers_equal_scanned(remat):
 
 def test_auto_loss_chunk_bounds_rows_per_device():
     """model.loss_chunk=0: the largest divisor of seq_len within the CPU's max(256, n_embd) rows per device."""
+    def chunk(m, rows, T=None):
+        return chunk_positions(m, rows, T or m.seq_len, "cpu")
+
     m = load_config(None, ["model.seq_len=128"]).model
-    assert chunk_positions(m, rows_per_device=16) == 16       # the default run on one device
-    assert chunk_positions(m, rows_per_device=4) == 64        # dp=4
-    assert chunk_positions(m, rows_per_device=2) == 128       # dp=8: one chunk
-    assert chunk_positions(m, rows_per_device=1000) == 1
-    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=16) == 16
-    assert chunk_positions(load_config(None, ["model.seq_len=96"]).model, rows_per_device=5) == 48
+    assert chunk(m, 16) == 16       # the default run on one device
+    assert chunk(m, 4) == 64        # dp=4
+    assert chunk(m, 2) == 128       # dp=8: one chunk
+    assert chunk(m, 1000) == 1
+    assert chunk(load_config(None, ["model.seq_len=96"]).model, 16) == 16
+    assert chunk(load_config(None, ["model.seq_len=96"]).model, 5) == 48
     wide = load_config(None, ["model.n_embd=768", "model.n_head=12", "model.seq_len=1024"]).model
-    assert chunk_positions(wide, rows_per_device=1) == 512     # gpt2-124m, 1 x 1024: 768 rows -> 512
-    assert chunk_positions(wide, rows_per_device=8) == 64
-    assert chunk_positions(load_config(None, ["model.seq_len=96", "model.loss_chunk=48"]).model, 16) == 48
+    assert chunk(wide, 1) == 512     # gpt2-124m, 1 x 1024: 768 rows -> 512
+    assert chunk(wide, 8) == 64
+    assert chunk(load_config(None, ["model.seq_len=96", "model.loss_chunk=48"]).model, 16) == 48
+    assert chunk_positions(m, 16, 128, "gpu") == 128  # 8192 rows on a GPU

@@ -11,13 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import tiny_config, train_losses
+from helpers import lowering, tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
 from jaxgpt.config import ModelConfig, load_config, validate
 from jaxgpt.errors import UserError
-from jaxgpt.model import GPT, head_table, param_count
-from jaxgpt.model.loss import chunked_cross_entropy
+from jaxgpt.model import GPT, param_count
 from jaxgpt.model.positions import rope
 from jaxgpt.sample import generate
 from jaxgpt.step import abstract_model
@@ -125,17 +124,19 @@ def test_cached_decoding_with_rope_and_grouped_kv_matches_recomputation():
     np.testing.assert_array_equal(cached, np.asarray(jnp.argmax(full_BTV[:, 4:-1], -1)))
 
 
-def test_untied_soft_capped_head_in_the_fused_loss_matches_autodiff():
-    """The chunked loss with lm_head and logit_softcap: its value and gradients equal plain
-    cross-entropy on the model's own (capped) logits, differentiated by JAX."""
+@pytest.mark.parametrize("ops", ["tuned", "reference"])
+def test_untied_soft_capped_head_in_the_chunked_loss_matches_autodiff(ops):
+    """The chunked loss with lm_head and logit_softcap, fused or the reference form: its value and
+    gradients equal plain cross-entropy on the model's own (capped) logits, differentiated by JAX."""
     cfg = ModelConfig(n_layer=1, n_head=2, n_embd=16, seq_len=8, vocab_size=200, tie_embeddings=False,
-                      logit_softcap=3.0, loss_chunk=4, dtype="float32")
+                      logit_softcap=3.0, loss_chunk=4, dtype="float32", ops=ops)
     graphdef, params = _model(cfg)
+    lowered = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(0), lowering(cfg))))[0]
     tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 200)
 
     def fused(p):
-        x = nnx.merge(graphdef, p)(tokens[:, :-1], features_only=True)
-        return chunked_cross_entropy(x, head_table(p), tokens[:, 1:], cfg, jnp.float32)
+        model = nnx.merge(lowered, p)
+        return model.loss(model(tokens[:, :-1], features_only=True), tokens[:, 1:], jnp.float32)
 
     def plain(p):
         logits = nnx.merge(graphdef, p)(tokens[:, :-1])[..., :200]

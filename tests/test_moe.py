@@ -66,7 +66,8 @@ def _step_losses(layout: str, batches, *overrides: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def single_device_losses(batches):
-    return _step_losses("dp=1", batches)
+    """One device, the reference forms (model.ops=reference, jaxgpt/model/ops.py)."""
+    return _step_losses("dp=1", batches, "model.ops=reference")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from jaxgpt.config import validate
 from jaxgpt.hlo import collective_bytes
 from jaxgpt.model import param_count
 from jaxgpt.model.moe import Experts, moe_mlp
+from jaxgpt.model.ops import Ops
 from jaxgpt.parallel.mesh import make_mesh, named
 from jaxgpt.model.balance import split_balance
 from jaxgpt.step import abstract_state, init_state, make_setup, make_train_step
@@ -51,7 +52,8 @@ def test_dropless_equals_capacity_when_nothing_is_dropped(mlp="swiglu"):
 
     def run(dispatch):
         def f(x, router, w):
-            y, stats = moe_mlp(x, router, w, mlp=mlp, top_k=K, capacity_factor=E / K, dispatch=dispatch, bias_E=bias)
+            y, stats = moe_mlp(x, router, w, Ops(tiny_config().model), mlp=mlp, top_k=K, capacity_factor=E / K, dispatch=dispatch,
+                               bias_E=bias)
             return jnp.sum(y * jnp.cos(y)) + stats.aux + stats.z, (y, stats)
         return jax.jit(jax.grad(f, argnums=(0, 1, 2), has_aux=True))(x, router, w)
 

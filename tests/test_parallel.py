@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import layer_loops, loss_loops, tiny_config, train_losses
 
-from jaxgpt.config import validate, weight_grads_summed_in_gemm
+from jaxgpt.config import validate
+from jaxgpt.lowering import choose
 from jaxgpt.hlo import collective_bytes, collectives
 from jaxgpt.parallel.mesh import RULES, logical_to_spec, make_mesh, named
 from jaxgpt.step import init_state, make_setup, make_train_step
@@ -24,16 +25,25 @@ LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=2,ep=4"]  # ep
 LOSS_ATOL = 1e-4
 
 
+def _in_gemm(cfg, sizes: dict[str, int]) -> bool:
+    """Whether the tuned lowering on a mesh of `sizes` sums the weight gradients inside their GEMMs."""
+    ops = choose(cfg.model, make_mesh(sizes, jax.devices()[:int(np.prod(list(sizes.values()) or [1]))]))
+    return ops.grads_in_gemm(cfg.train.grad_accum, bool(cfg.model.moe_experts))
+
+
 @pytest.fixture(scope="module")
 def single_device_losses(tmp_path_factory, shakespeare_dir):
+    """One device, the reference forms (jaxgpt/model/ops.py: model.ops=reference): the maths."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(tiny_config("train.steps=5", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    train(tiny_config("train.steps=5", "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
     return train_losses(run_dir)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
-    train(tiny_config("train.steps=5", mesh=layout), tmp_path)
+@pytest.mark.parametrize("layout, ops", [(layout, "auto") for layout in LAYOUTS] + [("dp=2,fsdp=2,tp=2", "reference")])
+def test_layout_matches_single_device(layout, ops, single_device_losses, tmp_path):
+    """Every layout in the default form (model.ops=auto: tuned on this CPU, jaxgpt/lowering/)
+    trains to the reference forms' one-device losses, and so does the reference on a 3D layout."""
+    train(tiny_config("train.steps=5", f"model.ops={ops}", mesh=layout), tmp_path)
     losses = train_losses(tmp_path)
     assert len(losses) == 5
     assert single_device_losses[-1] < single_device_losses[0] - 0.05, "the model should be learning"
@@ -42,7 +52,7 @@ def test_layout_matches_single_device(layout, single_device_losses, tmp_path):
 
 # bf16 with the default loss chunk (model.loss_chunk=0: TINY's pin undone), which each of these
 # layouts takes as one chunk of all 32 positions (2 to 4 rows per device; one device: micro-batches
-# of 2). XLA:CPU could not run that step in bf16 (issue 39; jaxgpt/model/loss.py `pins_dwte`). Both
+# of 2). XLA:CPU could not run that step in bf16 (issue 39; jaxgpt/lowering/loss.py `pins_dwte`). Both
 # steps run at the initial parameters (the first update has lr 0), so the losses are the fp32 single
 # device's, held to bf16's unit roundoff as in test_pipeline.py (pipelines: its bf16 matrix; dp=8:
 # test_cli.py's XLA-error test trains it first).
@@ -58,7 +68,7 @@ def test_layout_trains_in_bf16_with_the_default_loss(layout, overrides, n, singl
 
 def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     """bf16, 2 micro-batches: with its layers unrolled the step sums each block weight's fp32
-    gradient per layer inside the GEMM that computes it (jaxgpt.config.weight_grads_summed_in_gemm),
+    gradient per layer inside the GEMM that computes it (trick grads_in_gemm, jaxgpt/copies.py),
     scanned it sums the stacked bf16-rounded ones. Six steps of AdamW follow the same losses to 2^-12
     relative (3.9e-6 measured): a layer's sum in another layer's place, or a micro-batch left out,
     would turn the updates. Not under fsdp, cp, or with one micro-batch."""
@@ -66,26 +76,26 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
     for scan in ("true", "false"):
         cfg = tiny_config("train.steps=6", "train.grad_accum=2", "model.dtype=bfloat16", "model.loss_chunk=0",
                           f"model.scan_layers={scan}", mesh="dp=1")
-        assert weight_grads_summed_in_gemm(cfg, {"dp": 1}) == (scan == "false")
+        assert _in_gemm(cfg, {"dp": 1}) == (scan == "false")
         train(cfg, tmp_path / scan, devices=jax.devices()[:1])
         losses.append(train_losses(tmp_path / scan))
     assert len(losses[1]) == 6 and losses[1][-1] < losses[1][0] - 0.05
     np.testing.assert_allclose(losses[1], losses[0], rtol=2.0 ** -12, atol=0)
     unrolled = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
     for other, sizes in (((), {"fsdp": 2}), ((), {"cp": 2}), (("train.grad_accum=1",), {})):
-        assert not weight_grads_summed_in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
+        assert not _in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
 
 
 def test_remat_dots_runs_no_gemm_of_the_summed_gradients_again():
     """bf16, unrolled, 2 micro-batches on dp=8: the block linears' GEMMs that sum their weight
-    gradients in place are custom VJPs (model/layers.py `_precast_einsum`), and remat=dots and
+    gradients in place are custom VJPs (jaxgpt/lowering/linear.py `_precast_einsum`), and remat=dots and
     dots_no_batch keep the dots inside them as they keep autodiff's (jax.checkpoint traces the
     forward rule). The compiled step holds as many dots under remat=dots as under none, and under
     dots_no_batch two more per layer: the XLA attention's batched einsums (a CPU's), which that
     policy does not keep. remat=full, which runs every block's forward again, holds more still."""
     overrides = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
     cfg = tiny_config(*overrides, "model.remat=dots")
-    assert weight_grads_summed_in_gemm(cfg, {"dp": 8})
+    assert _in_gemm(cfg, {"dp": 8})
     dots = {remat: len(re.findall(r" dot\(", _compiled_hlo("dp=8", *overrides, f"model.remat={remat}")))
             for remat in ("none", "dots", "dots_no_batch", "full")}
     assert dots["none"] > 0 and dots["dots"] == dots["none"], dots

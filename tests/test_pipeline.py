@@ -34,13 +34,15 @@ LAYOUTS = [  # (mesh, extra overrides, devices)
     ("pp=2,fsdp=4", (), 8),  # weights gathered once per step (pipeline.gather_once, the default)
     ("pp=2,fsdp=4", ("pipeline.gather_once=false",), 8),  # ... or for every micro-batch
     ("pp=2,dp=4", ("pipeline.repeats=2",), 8),  # circular: 2 chunks of 1 layer per stage
+    ("pp=2,dp=2,tp=2", ("model.ops=reference",), 8),  # the reference forms pipelined too (the rest: the default, tuned)
 ]
 
 
 @pytest.fixture(scope="module")
 def single_device(tmp_path_factory, shakespeare_dir):
+    """One device, the reference forms (model.ops=reference, jaxgpt/model/ops.py)."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(tiny_config(*PIPE, mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    train(tiny_config(*PIPE, "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
     return read_metrics(run_dir)
 
 
@@ -60,7 +62,7 @@ def test_pipeline_matches_single_device(layout, overrides, n, single_device, tmp
 
 # bf16 (issue 24: XLA:CPU aborted the process on every pp layout), with the default loss chunk
 # (model.loss_chunk=0, TINY's pin undone: issue 39, one chunk that XLA:CPU could not run in bf16;
-# jaxgpt/model/loss.py `pins_dwte`). Two steps, both at the initial
+# jaxgpt/lowering/loss.py `pins_dwte`). Two steps, both at the initial
 # parameters (the first update has lr 0: warmup starts from 0), so a layout's losses, gradient norms
 # and step-0 val_loss are the fp32 single device's on the same batches with activations in bf16:
 # fp32 reductions of bf16-rounded values, so each is held to bf16's unit roundoff, 2^-8 relative

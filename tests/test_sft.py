@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import qwen_tokenizer, read_metrics, tiny_config
+from helpers import lowering, qwen_tokenizer, read_metrics, tiny_config
 from test_hf import _perturbed
 from test_qwen3 import QWEN3, QWEN3_MOE
 
@@ -30,9 +30,9 @@ from jaxgpt.chat.template import ChatTemplate
 from jaxgpt.config import load_config, validate
 from jaxgpt.data.conversations import Conversations, input_files
 from jaxgpt.hf import export
-from jaxgpt.model.gpt import head_table
 from jaxgpt.parallel.mesh import make_mesh
-from jaxgpt.step import init_state, make_eval_step, make_setup, make_train_step, normalized_weights, token_loss
+from jaxgpt.step import (abstract_model, init_state, make_eval_step, make_setup, make_train_step, normalized_weights,
+                         token_loss)
 from jaxgpt.train import train
 
 SFT = ("model.document_mask=true", "model.position_reset=true", "model.seq_len=128", "model.loss_chunk=32",
@@ -64,28 +64,31 @@ def _batches(chats, n: int = 2) -> list[tuple[np.ndarray, np.ndarray]]:
     return [tuple(np.stack(x) for x in zip(*rows[16 * b:16 * b + 16])) for b in range(n)]
 
 
-def test_a_token_outside_an_assistant_turn_has_exactly_zero_gradient(chats):
+@pytest.mark.parametrize("ops", ["reference", "tuned"])  # model/ops.py's loss, and lowering/loss.py's fused one
+def test_a_token_outside_an_assistant_turn_has_exactly_zero_gradient(chats, ops):
     cfg = tiny_config(*QWEN3, *SFT)
-    graphdef, params = _perturbed(cfg)
+    _, params = _perturbed(cfg)
+    graphdef = abstract_model(cfg, lowering(cfg.model, ops))[0]
+    table = "wte" if cfg.model.tie_embeddings else "lm_head"
     tokens_BT1, weights_BT = normalized_weights(tuple(map(jnp.asarray, _batches(chats, 1)[0])))
     masked_BT = np.asarray(weights_BT) == 0
     assert 0.3 < masked_BT.mean() < 0.9  # system and user turns, headers, padding
 
-    def loss(x_BTD, table_VD):
-        return token_loss(x_BTD, table_VD, tokens_BT1[:, 1:], weights_BT, cfg.model, jnp.float32)
+    def loss(x_BTD, params):  # of the head alone: x is the final features
+        return token_loss(nnx.merge(graphdef, params), x_BTD, tokens_BT1[:, 1:], weights_BT, jnp.float32)
 
     x_BTD = jax.jit(lambda p: nnx.merge(graphdef, p)(tokens_BT1[:, :-1], jnp.float32, features_only=True))(params)
-    value, (dx_BTD, dtable_VD) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_BTD, head_table(params))
+    value, (dx_BTD, dparams) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_BTD, params)
     per_token_BT = np.abs(np.asarray(dx_BTD)).max(-1)
     assert (per_token_BT[masked_BT] == 0).all() and (per_token_BT[~masked_BT] > 0).all()
     # features moved at the masked positions: the same loss and gradients, bit for bit
     moved_BTD = x_BTD + 10.0 * masked_BT[..., None] * jax.random.normal(jax.random.key(1), x_BTD.shape)
-    value2, (dx2_BTD, dtable2_VD) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(moved_BTD, head_table(params))
+    value2, (dx2_BTD, dparams2) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(moved_BTD, params)
     assert value2 == value
-    np.testing.assert_array_equal(dtable2_VD, dtable_VD)
+    np.testing.assert_array_equal(dparams2[table], dparams[table])
     np.testing.assert_array_equal(dx2_BTD, dx_BTD)
     # and the value is the assistant tokens' mean cross-entropy, computed from the logits
-    logits_BTV = (x_BTD @ head_table(params).T)[..., : cfg.model.vocab_size]
+    logits_BTV = (x_BTD @ params[table].T)[..., : cfg.model.vocab_size]
     nats_BT = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits_BTV)), np.asarray(tokens_BT1)[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(value, nats_BT[~masked_BT].mean(), rtol=1e-6)
 
@@ -135,7 +138,9 @@ def _steps(cfg, devices, batches, val: bool = True) -> tuple[list[float], float 
 @pytest.fixture(scope="module")
 def references(chats):
     batches = _batches(chats)
-    return {kind: _steps(tiny_config(*keys, *SFT, "model.moe_dispatch=dropless"), jax.devices()[:1], batches)
+    """One device, the reference forms (model.ops=reference, jaxgpt/model/ops.py): the layouts run the tuned ones."""
+    return {kind: _steps(tiny_config(*keys, *SFT, "model.moe_dispatch=dropless", "model.ops=reference"),
+                         jax.devices()[:1], batches)
             for kind, keys in (("dense", QWEN3), ("moe", QWEN3_MOE))}
 
 

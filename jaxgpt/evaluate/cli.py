@@ -25,6 +25,7 @@ def _main(argv: Sequence[str] | None) -> None:
     from jaxgpt.evaluate.tasks import load_task, parse_spec
     from jaxgpt.hf import restore_params  # the newest readable checkpoint on one device
     from jaxgpt.sample import shard_params
+    from jaxgpt.lowering import choose
     from jaxgpt.step import abstract_model
 
     parser = ArgumentParser(prog="python -m jaxgpt.evaluate", description="Score multiple-choice tasks with a checkpoint.")
@@ -53,7 +54,7 @@ def _main(argv: Sequence[str] | None) -> None:
 
     params, cfg, step = restore_params(args.run, check=read_tasks)
     params, mesh = shard_params(params, cfg, args.mesh, command="evaluation")
-    scorer = Scorer(abstract_model(cfg)[0], cfg.model, mesh, args.batch_size)
+    scorer = Scorer(abstract_model(cfg, choose(cfg.model, mesh))[0], cfg.model, mesh, args.batch_size)
     record: dict = {"step": step}
     for task in tasks:
         scores = scorer.score(params, task, progress=True)

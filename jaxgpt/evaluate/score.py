@@ -6,7 +6,7 @@ One row per (example, choice): the input is its token sequence without the last 
 the sequence without the first, and the mask marks the continuation's targets (the last n of them).
 A row's score is the sum over the masked positions of log p(target | everything before it): the
 log-likelihood of the continuation given the context, in fp32, from the same chunked head as the
-val loss (`loss.token_nats`), so the [B, L, V] logits never exist whole.
+val loss (the model's `token_nats`), so the [B, L, V] logits never exist whole.
 
 Shapes. Rows are padded on the right to a length bucket, the smallest of 16, 32, 64, ... (capped at
 the model's T) that holds them; padding sits after the real tokens, where a causal model cannot see
@@ -38,8 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxgpt.config import ModelConfig
 from jaxgpt.evaluate.tasks import Task
-from jaxgpt.model import compute_dtype, head_table
-from jaxgpt.model.loss import token_nats
+from jaxgpt.lowering import compute_dtype
 from jaxgpt.parallel.mesh import named
 
 MIN_BUCKET = 16
@@ -86,11 +85,11 @@ class Scorer:
         self.rows = -(-batch_rows // ways) * ways  # rows per batch: a multiple of the batch axes' devices
         self.mesh, self.cfg = mesh, model_cfg
         self.batch_sharding = named(mesh, ("batch", None))
-        dtype = compute_dtype(model_cfg.dtype)
+        dtype = compute_dtype(model_cfg.dtype, mesh.devices.flat[0].platform)
 
         def score(params: dict, inputs_BL: jax.Array, targets_BL: jax.Array, mask_BL: jax.Array) -> jax.Array:
-            x_BLD = nnx.merge(graphdef, params)(inputs_BL, dtype, features_only=True)
-            nats_BL = token_nats(x_BLD, head_table(params), targets_BL, model_cfg, dtype)
+            model = nnx.merge(graphdef, params)
+            nats_BL = model.token_nats(model(inputs_BL, dtype, features_only=True), targets_BL, dtype)
             return -jnp.sum(jnp.where(mask_BL, nats_BL, 0.0), axis=-1)
 
         self.step = jax.jit(score, out_shardings=NamedSharding(mesh, P()))

@@ -95,7 +95,7 @@ _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
          "replica-id", "opt-barrier", "add-dependency", "domain"}
 _MOVEMENT = _FREE | {"copy", "transpose", "convert", "broadcast", "slice", "dynamic-slice", "dynamic-update-slice",
                      "reshape", "concatenate", "pad", "iota"}
-# an amax for an fp8 scale: a max reduction under one of jaxgpt's GEMM scopes (jaxgpt/model/fp8.py quantize)
+# an amax for an fp8 scale: a max reduction under one of jaxgpt's GEMM scopes (jaxgpt/lowering/fp8.py quantize)
 _AMAX = re.compile(r"/(" + "|".join(hlo.LAYERS) + r")/reduce_max$")
 _COLLECTIVE = re.compile(r"^(" + "|".join(hlo.COLLECTIVES) + r")(-start)?$")
 # XLA attention (jax.nn.dot_product_attention, implementation='xla'): its einsums and softmax

@@ -1,7 +1,7 @@
 """`model.fp8=auto`: fp8 for the block linears the step-time model predicts faster, bf16 for the rest.
 
 fp8 halves a GEMM's time where it is compute-bound, but every fp8 GEMM needs its operands
-quantized (jaxgpt/model/fp8.py): an amax reduction and a scaled cast per operand, and the
+quantized (jaxgpt/lowering/fp8.py): an amax reduction and a scaled cast per operand, and the
 transposed f8 copies cuBLASLt's fp8 kernels need (jaxgpt/gpu/target.py FP8_OPTIONS). That work
 is memory-bound and grows with the operands (M x K + K x N + M x N elements), the saving with
 the FLOPs (M x N x K), so fp8 pays on wide layers and loses on narrow ones: gpt2-124m in fp8 was
@@ -19,11 +19,11 @@ same in `jaxgpt.plan --target` and in training on that GPU. For one use of a kin
     fp8   = the three GEMMs in fp8 (twice the peak, 1-byte operands)
             + (M K + K N / A + M N) x QUANT_BYTES bytes at the HBM efficiency + QUANT_KERNELS launches
 
-(A = train.grad_accum where the step quantizes the weights once per step, `weights_once_per_step`,
-else 1)
+(A = train.grad_accum where the step quantizes the weights once per step, `weights_once_per_step`:
+trick `prequantize` of jaxgpt/copies.py; else 1)
 
 and the kind takes fp8 where fp8 < bf16, summed over its uses in a step. The fp8 GEMM writes its
-result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/model/fp8.py). With
+result in the compute dtype, as a bf16 GEMM does (power-of-two scales, jaxgpt/lowering/fp8.py). With
 that, each kind's GEMM time, bf16 and fp8, is the compiled program's to 0.1 ms (gpt2-124m and
 gpt2-1.3b on an H100: docs/benchmarks.md; tests/test_fp8_choice.py).
 
@@ -44,7 +44,7 @@ attn_out takes the same constant. With GPT-2's biases it once moved more (10.6 a
 element in the compiled gpt2-124m and gpt2-1.3b steps, each fp8 step against the same step with
 attn_out in bf16, 2026-11-27): its incoming gradient was read once more for its amax beside the bias
 gradient's column sum, and its dx GEMM's rescale ran as a pass of its own because cuDNN's attention
-backward, a custom call, reads that dx. Both went at stop 52 (jaxgpt/model/fp8.py `_column_amax`,
+backward, a custom call, reads that dx. Both went at stop 52 (jaxgpt/lowering/fp8.py `_column_amax`,
 `scaled_dot(fold=True)`), and the compiled programs now move 5.2 and 4.7 bytes an element for it,
 under the other kinds' QUANT_BYTES (gpt2-1.3b: all four kinds in fp8 3,256.4 ms against 3,296.3
 with attn_out in bf16 on an H100, 3,121.7 against 3,168.3 on an H200; gpt2-124m 943.8 against
@@ -60,7 +60,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from jaxgpt.config import Config, pipeline_microbatches, round_rows, weights_once_per_step
+from jaxgpt.config import TRICKS, Config, pipeline_microbatches, round_rows
 from jaxgpt.gpu import cost
 from jaxgpt.gpu.perf import Perf, perf
 from jaxgpt.hlo import BLOCK_LINEARS
@@ -129,7 +129,7 @@ def linear_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, tuple[list[Sh
 
 def _gemm(batch: int, m: int, k: int, n: int, fp8: bool, p: Perf) -> float:
     """One GEMM as cost.py costs it: bf16 or f8 operands, and a result in the compute dtype (bf16),
-    which cuBLASLt's fp8 calls write directly (jaxgpt/model/fp8.py `scaled_dot`)."""
+    which cuBLASLt's fp8 calls write directly (jaxgpt/lowering/fp8.py `scaled_dot`)."""
     g = cost.Gemm(batch, m, n, k, fp8, "", batch > 1)
     operand, result = (1, 2) if fp8 else (2, 2)
     return cost.gemm_seconds(g, batch * (operand * (m * k + k * n) + result * m * n), p)
@@ -152,6 +152,13 @@ def use_seconds(gemms: list[Shape], p: Perf, fp8: bool, quant_bytes: float = QUA
                 weight_share: float = 1.0) -> float:
     """One use of a linear kind: its GEMMs, with fp8 the quantization of their operands too."""
     return gemm_seconds(gemms, p, fp8) + (quantize_seconds(gemms, p, quant_bytes, weight_share) if fp8 else 0.0)
+
+
+def weights_once_per_step(cfg: Config, sizes: dict[str, int]) -> bool:
+    """Whether the train step on a GPU quantizes its block weights once per step (the lowering's
+    `prequantize`: model.ops tuned or auto, or a list naming it; a dense model without a pipeline)."""
+    tricks = TRICKS if cfg.model.ops in ("auto", "tuned") else cfg.model.ops.split(",")
+    return "prequantize" in tricks and sizes.get("pp", 1) == 1 and not cfg.model.moe_experts
 
 
 def choices(cfg: Config, sizes: dict[str, int], p: Perf) -> list[Choice]:

@@ -13,8 +13,9 @@ from flax import nnx
 from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, Attention
 from jaxgpt.model.documents import Documents
-from jaxgpt.model.layers import MLP, STD, Norm, gemm_epilogues, param
+from jaxgpt.model.layers import MLP, STD, Norm, param, value
 from jaxgpt.model.moe import Experts, MoEStats, moe_mlp
+from jaxgpt.model.ops import Ops
 from jaxgpt.parallel.mesh import shard
 
 
@@ -26,9 +27,9 @@ class MoE(nnx.Module):
     sits among the parameters so that checkpoints, sampling and evaluation carry it, but it has no
     gradient and no optimizer state; the train step moves it (jaxgpt/step.py, `balance`)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops):
         D, F, E = cfg.n_embd, cfg.expert_width, cfg.moe_experts
-        self.cfg = cfg
+        self.cfg, self.ops = cfg, ops
         self.router_kernel = param(rngs, (D, E), ("embed", "router"), STD)
         self.c_fc_kernel = param(rngs, (E, D, F), ("experts", "embed", "mlp"), STD)
         self.c_fc_bias = param(rngs, (E, F), ("experts", "mlp"), None) if cfg.bias else None
@@ -37,19 +38,17 @@ class MoE(nnx.Module):
             self.c_gate_bias = param(rngs, (E, F), ("experts", "mlp"), None) if cfg.bias else None
         self.c_proj_kernel = param(rngs, (E, F, D), ("experts", "mlp", "embed"), STD / math.sqrt(2 * cfg.n_layer))
         self.c_proj_bias = param(rngs, (E, D), ("experts", "embed"), None) if cfg.bias else None
-        self.fp8 = cfg.fp8_linears()  # the kinds in fp8 (model.fp8): the experts take theirs
         shared = dataclasses.replace(cfg, mlp_hidden=cfg.moe_shared_experts * F)
-        self.shared = MLP(shared, rngs) if cfg.moe_shared_experts else None
+        self.shared = MLP(shared, rngs, ops) if cfg.moe_shared_experts else None
         self.router_bias = param(rngs, (E,), ("router",), None) if cfg.moe_balance == "bias" else None
 
     def __call__(self, x_BTD: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEStats]:
-        value = lambda p: None if p is None else p[...]  # noqa: E731
         swiglu = self.cfg.mlp == "swiglu"
         experts = Experts(self.c_fc_kernel[...], value(self.c_fc_bias),
                           self.c_gate_kernel[...] if swiglu else None, value(self.c_gate_bias) if swiglu else None,
                           self.c_proj_kernel[...], value(self.c_proj_bias))
-        y_BTD, stats = moe_mlp(x_BTD, self.router_kernel[...], experts, mlp=self.cfg.mlp, top_k=self.cfg.moe_top_k,
-                               capacity_factor=self.cfg.moe_capacity_factor, drop=drop, fp8=self.fp8,
+        y_BTD, stats = moe_mlp(x_BTD, self.router_kernel[...], experts, self.ops, mlp=self.cfg.mlp,
+                               top_k=self.cfg.moe_top_k, capacity_factor=self.cfg.moe_capacity_factor, drop=drop,
                                dispatch=self.cfg.moe_dispatch, bias_E=value(self.router_bias),
                                norm_topk=self.cfg.moe_norm_topk)
         if self.shared is not None:
@@ -58,64 +57,48 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
-        self.ln_1 = Norm(cfg, cfg.n_embd, rngs, feeds="qkv", after="mlp_out")
-        self.attn = Attention(cfg, rngs)
-        self.ln_2 = Norm(cfg, cfg.n_embd, rngs, feeds=None if moe else "mlp_in", after="attn_out")
-        self.mlp = MoE(cfg, rngs) if moe else MLP(cfg, rngs)
-        # whether each branch's output is an fp8 GEMM's, or no GEMM's (an MoE's combine): `_residual`
-        fp8 = cfg.fp8_linears()
-        self.fp8_attn_out, self.fp8_mlp_out = "attn_out" in fp8, moe or "mlp_out" in fp8
+    """x + attn(norm(x)), then x + mlp(norm(x)) (or the MoE layer's)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops, moe: bool = False):
+        self.ln_1 = Norm(cfg, cfg.n_embd, rngs, ops, before="attn")
+        self.attn = Attention(cfg, rngs, ops)
+        self.ln_2 = Norm(cfg, cfg.n_embd, rngs, ops, before="moe" if moe else "mlp")
+        self.mlp = MoE(cfg, rngs, ops) if moe else MLP(cfg, rngs, ops)
+        self.ops = ops
 
     def __call__(self, x_BTD: jax.Array, kv: KV | None = None, pos: jax.Array | None = None,
                  docs: Documents | None = None):
         """x -> x (dense, training); with kv: (x, kv). An MoE block appends its MoEStats: (x, stats)
         or (x, kv, stats). `docs`: model.document_mask's documents (jaxgpt/model/documents.py)."""
         if kv is None:
-            n_BTD, norm = self.ln_1.routed(x_BTD)
-            x_BTD = _residual(x_BTD, self.attn(n_BTD, docs=docs, norm=norm), gemm_epilogues(self.fp8_attn_out))
+            y_BTD = self.attn(self.ln_1(x_BTD), docs=docs)
         else:
             y_BTD, kv = self.attn(self.ln_1(x_BTD), kv, pos, docs)
-            x_BTD = x_BTD + y_BTD
+        x_BTD = self.ops.residual(x_BTD, y_BTD, "attn_out")
         stats = None
         if isinstance(self.mlp, MoE):
             y_BTD, stats = self.mlp(self.ln_2(x_BTD), drop=kv is None)
         else:
-            y_BTD = self.mlp(*self.ln_2.routed(x_BTD))
-        x_BTD = shard(_residual(x_BTD, y_BTD, gemm_epilogues(self.fp8_mlp_out)), "batch", "seq", "act_embed")
+            y_BTD = self.mlp(self.ln_2(x_BTD))
+        x_BTD = self.ops.residual(x_BTD, y_BTD, None if stats is not None else "mlp_out")
+        x_BTD = shard(x_BTD, "batch", "seq", "act_embed")
         if stats is None:
             return x_BTD if kv is None else (x_BTD, kv)
         return (x_BTD, stats) if kv is None else (x_BTD, kv, stats)
-
-
-def _residual(x_BTD: jax.Array, y_BTD: jax.Array, barrier: bool) -> jax.Array:
-    """x + y, the block's residual add. barrier: y is a GEMM's output in the compute dtype (`project_out`),
-    whose epilogue can take the add. XLA:GPU's GEMM fusion takes an elementwise consumer's other
-    operand only where that is an array of its own (a parameter, or behind an optimization barrier),
-    and the residual stream is the previous block's add: so x passes a barrier, and the add runs in
-    the GEMM that writes y, where it was a pass of its own over three [rows, D] tensors (gpt2-124m
-    on one H100, 949.5 -> 935.8 ms a step predicted, with the c_proj bias in the GEMM's epilogue and
-    its gradient's sum a pass of its own). The barrier is a barrier on the gradient too
-    (its transpose); without that one XLA laid the gradient out transposed and copied it in every
-    layer (951.0 ms). Not in fp8, whose cuBLASLt GEMM takes no residual: there the add goes to the
-    next norm's statistics pass (norm.py keep_stats). Added as rows [B*T, D], the GEMM's own shape."""
-    D = x_BTD.shape[-1]
-    x = x_BTD.reshape(-1, D)
-    return ((jax.lax.optimization_barrier(x) if barrier else x) + y_BTD.reshape(-1, D)).reshape(x_BTD.shape)
 
 
 class MoEGroup(nnx.Module):
     """model.moe_every = N consecutive blocks: N-1 dense ones (stacked, scanned) and an MoE block
     last. An MoE model stacks G = n_layer / N of these and scans over them (GPT docstring)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops):
         @nnx.split_rngs(splits=cfg.moe_every - 1)
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def make_dense(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+            return Block(cfg, rngs, ops)
 
         self.dense = make_dense(rngs) if cfg.moe_every > 1 else None  # one assignment: NNX fixes its kind
-        self.moe = Block(cfg, rngs, moe=True)
+        self.moe = Block(cfg, rngs, ops, moe=True)
 
     def __call__(self, x_BTD: jax.Array, apply_block, kv: KV | None = None, pos: jax.Array | None = None,
                  unroll: int | bool = 1, docs: Documents | None = None):

@@ -83,20 +83,6 @@ def visible(docs: Documents, key_pos_S: jax.Array) -> jax.Array:
     return (key_11S >= docs.start_BT[:, :, None]) & (key_11S <= docs.at_T[None, :, None])
 
 
-def packed_segments(start_BT: jax.Array, max_documents: int) -> tuple[jax.Array, jax.Array]:
-    """cuDNN's packed layout for one device's rows: (lengths [B, M], offsets [B, M+1]) of each
-    row's first M documents, -1 past the last (jax._src.cudnn.fused_attention_stablehlo's
-    convention). The M-th runs to the window's end, taking in any documents after it."""
-    B, T = start_BT.shape
-    M = min(max_documents, T)
-    first_BT = start_BT == jnp.arange(T, dtype=jnp.int32)[None, :]  # a document begins here
-    offsets_BM = jax.vmap(lambda f_T: jnp.nonzero(f_T, size=M, fill_value=-1)[0].astype(jnp.int32))(first_BT)
-    # a document ends where the next begins, the last one at T
-    next_BM = jnp.concatenate([offsets_BM[:, 1:], jnp.full((B, 1), -1, jnp.int32)], axis=1)
-    lengths_BM = jnp.where(offsets_BM < 0, -1, jnp.where(next_BM < 0, T, next_BM) - offsets_BM)
-    return lengths_BM, jnp.concatenate([offsets_BM, jnp.full((B, 1), -1, jnp.int32)], axis=1)
-
-
 def window_stats(tokens_BT: jax.Array, separator: int = EOT_ID) -> dict[str, jax.Array]:
     """fp32 means over the rows: `docs_per_window` (documents a window holds, the cut ones
     counted) and `masked_pairs` (of the T(T+1)/2 causal pairs, the share masking removes)."""

@@ -40,17 +40,13 @@ Beyond GPT-2 (each key defaults to GPT-2's choice, which keeps the tree above ex
     model.logit_softcap=c      logits c * tanh(logits / c)
 A Llama-style block: x + attn(rmsnorm(x)) and x + swiglu(rmsnorm(x)), the same pre-norm residual.
 
-Options. `model.fp8` runs the linear layers of each block through `fp8.fp8_einsum` (true: all;
-a list or a resolved auto: those named, ModelConfig.fp8_linears);
-`model.remat` recomputes each block's activations in the backward pass under a
+Options. `model.remat` recomputes each block's activations in the backward pass under a
 `jax.checkpoint` policy (remat.py: memory for FLOPs); `model.scan_layers=false` unrolls the scan
 over the stacked blocks (the parameters stay stacked). Scanned, every activation the backward pass
 keeps from a block is written into an [L, ...] stack and read back out of it, a copy each way per
-layer and per micro-batch; unrolled, XLA keeps each as its own buffer. gpt2-124m on one H100,
-predicted (remat=none, 4 micro-batches): 1,930 -> 956 ms a step; on a CPU no difference; compile
-time grows with depth (13.7 -> 22.5 s for gpt2-124m). (Predicted again on 2026-11-28: 1,322.2
-scanned against 982.3 unrolled, with the residual stream carried as [B*T, D] rows, `run_blocks`.)
-`model.attention` picks the kernel (attention.py, beside the attention layer). The package
+layer and per micro-batch; unrolled, XLA keeps each as its own buffer, and compiles take longer
+(docs/benchmarks.md). How each op computes (its kernel, fp8, fused forms: model.ops,
+model.attention, model.fp8) is the lowering's, handed in as `ops` (ops.py). The package
 docstring lists what each file holds.
 
 Precision. Parameters are fp32. Matmuls run in the compute dtype (bf16 on GPU); LayerNorm,
@@ -73,16 +69,19 @@ from jaxgpt.config import ModelConfig
 from jaxgpt.model.attention import KV, KVCache
 from jaxgpt.model.blocks import Block, MoEGroup
 from jaxgpt.model.documents import Documents, documents, reordered, whole_windows
-from jaxgpt.model.layers import STD, Norm, fence, param
+from jaxgpt.model.layers import STD, Norm, param
 from jaxgpt.model.moe import MoEStats
+from jaxgpt.model.ops import Ops, softcap
 from jaxgpt.model.remat import REMAT_POLICIES
 from jaxgpt.parallel.context import balanced_ways, to_device_order, to_window_order, ways as cp_ways
-from jaxgpt.parallel.mesh import shard, splits
+from jaxgpt.parallel.mesh import shard
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.cfg = cfg
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, ops: Ops | None = None):
+        """ops: how each op computes (model/ops.py); default its reference forms."""
+        self.cfg, self.ops = cfg, Ops(cfg) if ops is None else ops
+        ops = self.ops
         self.wte = param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
         if cfg.position == "learned":
             self.wpe = param(rngs, (cfg.seq_len, cfg.n_embd), ("pos", "embed"), STD)
@@ -91,17 +90,17 @@ class GPT(nnx.Module):
             @nnx.split_rngs(splits=cfg.n_layer // cfg.moe_every)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make_groups(rngs: nnx.Rngs) -> MoEGroup:
-                return MoEGroup(cfg, rngs)
+                return MoEGroup(cfg, rngs, ops)
 
             self.groups = make_groups(rngs)
         else:
             @nnx.split_rngs(splits=cfg.n_layer)
             @nnx.vmap(in_axes=(0,), out_axes=0)
             def make_blocks(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs)
+                return Block(cfg, rngs, ops)
 
             self.blocks = make_blocks(rngs)
-        self.ln_f = Norm(cfg, cfg.n_embd, rngs, after="mlp_out")
+        self.ln_f = Norm(cfg, cfg.n_embd, rngs, ops, before="head")
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.padded_vocab, cfg.n_embd), ("vocab", "embed"), STD)
 
@@ -110,9 +109,9 @@ class GPT(nnx.Module):
         """Token ids [B, T] -> fp32 logits [B, T, V] (padded vocabulary; padding at -inf).
         With a cache (sampling), the tokens sit at positions cache.pos.. and (the last position's
         logits [B, 1, V], cache) returns: a prefill never holds [B, T, V].
-        `features_only`: the final LayerNorm's output [B, T, D] instead, for the chunked loss
-        (jaxgpt/model/loss.py), which applies the head a chunk at a time. `with_moe_stats` (training, MoE
-        models): (output, MoEStats averaged over the MoE blocks)."""
+        `features_only`: the final norm's output [B, T, D] instead, for `loss`, which applies the
+        head a chunk at a time. `with_moe_stats` (training, MoE models): (output, MoEStats averaged
+        over the MoE blocks)."""
         T = tokens_BT.shape[1]
         x_BTD = self.embed(tokens_BT, dtype, 0 if cache is None else cache.pos)
         docs = self.documents(tokens_BT, cache)
@@ -140,15 +139,8 @@ class GPT(nnx.Module):
         """Token ids [B, T] at positions pos.. -> the first block's input [B, T, D] in `dtype`;
         training under context parallelism, in its device order (jaxgpt/parallel/context.py)."""
         cp = balanced_ways(tokens_BT.shape[1]) if isinstance(pos, int) and pos == 0 else 1
-        x_BTD = lookup_table(self.wte[...])[to_device_order(tokens_BT, cp)]
-        if self.cfg.position == "learned":
-            if cp == 1:
-                x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(self.wpe[...], pos, tokens_BT.shape[1])
-            else:
-                x_BTD = x_BTD + to_device_order(self.wpe[...], cp, axis=0)
-        # an array of its own in `dtype`: otherwise XLA:GPU fused the cast into the first norm's kernel and
-        # wrote the fp32 sum for it beside the rounded one (a [rows, D] fp32 array per micro-batch)
-        x_BTD = fence(x_BTD.astype(dtype))
+        wpe = self.wpe if self.cfg.position == "learned" else None
+        x_BTD = self.ops.embed(self.wte, to_device_order(tokens_BT, cp), dtype, wpe, pos, cp)
         return shard(x_BTD, "batch", "seq", "act_embed")
 
     def documents(self, tokens_BT: jax.Array, cache: KVCache | None = None) -> Documents | None:
@@ -167,20 +159,8 @@ class GPT(nnx.Module):
         """The stacked blocks (training, no cache), however many this module holds: all of them, or
         one pipeline stage's (jaxgpt/parallel/pipeline.py). Returns (x, MoEStats averaged over the MoE
         blocks, or None for a dense model). `docs`: model.document_mask's documents of x's rows."""
-        # The residual stream crosses the layer loops as [B*T, D] rows where no mesh axis splits its
-        # sequence (cp does: those rows would not be contiguous per device); each block sees
-        # [B, T, D]. As [B, T, D], XLA:GPU laid the scanned backward pass's gradient carry out as
-        # [T, D, B] and transposed it in every layer (the fp8 gradient's cast then transposed it
-        # twice): gpt2-124m scanned on one H100, 1,362.3 -> 1,322.2 ms a step bf16 and
-        # 1,217.7 -> 1,192.5 fp8, predicted.
-        B, T, D = x_BTD.shape
-        x = x_BTD.reshape(B * T, D) if splits("seq") == 1 else x_BTD
-
-        def apply_block(block: Block, x: jax.Array):
-            out = block(x.reshape(B, T, D), docs=docs)  # a dense block's x; an MoE block's (x, stats)
-            if isinstance(out, tuple):
-                return out[0].reshape(x.shape), *out[1:]
-            return out.reshape(x.shape)
+        def apply_block(block: Block, x_BTD: jax.Array):
+            return block(x_BTD, docs=docs)  # a dense block's x; an MoE block's (x, stats)
 
         if self.cfg.remat == "auto":
             raise ValueError("model.remat=auto must be resolved before the model runs (jaxgpt.remat.resolve)")
@@ -193,14 +173,14 @@ class GPT(nnx.Module):
             def run_groups(x: jax.Array, group: MoEGroup):
                 return group(x, apply_block, unroll=unroll)
 
-            x, stats_G = run_groups(x, self.groups)
-            return x.reshape(B, T, D), MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
+            x_BTD, stats_G = run_groups(x_BTD, self.groups)
+            return x_BTD, MoEStats(*(jnp.mean(s_G) for s_G in stats_G[:3]), stats_G.load)  # load: [G, E]
 
         @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=unroll)
         def run_stack(x: jax.Array, block: Block) -> jax.Array:
             return apply_block(block, x)
 
-        return run_stack(x, self.blocks).reshape(B, T, D), None
+        return run_stack(x_BTD, self.blocks), None
 
     def _run_groups_cached(self, x_BTD: jax.Array, kv: KV, pos: jax.Array,
                            docs: Documents | None) -> tuple[jax.Array, KV]:
@@ -215,32 +195,21 @@ class GPT(nnx.Module):
         x_BTD, kv = run_cached(x_BTD, self.groups, KV(*(a.reshape(G, N, *a.shape[1:]) for a in kv)))
         return x_BTD, KV(*(a.reshape(G * N, *a.shape[2:]) for a in kv))
 
+    def loss(self, x_BTD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype,
+             weights_BT: jax.Array | None = None) -> jax.Array:
+        """Next-token cross-entropy of the final features (`features_only`) against labels [B, T],
+        fp32: the mean over the positions, or with per-token weights sum(w nats) / sum(w)."""
+        return self.ops.cross_entropy(x_BTD, self._head(), labels_BT, dtype, weights_BT)
+
+    def token_nats(self, x_BTD: jax.Array, labels_BT: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        """The cross-entropy of each position's label [B, T] (evaluation), fp32."""
+        return self.ops.token_nats(x_BTD, self._head(), labels_BT, dtype)
+
+    def _head(self) -> jax.Array:
+        return self.wte if self.cfg.tie_embeddings else self.lm_head
+
     def _logits(self, x_BTD: jax.Array, dtype: jnp.dtype) -> jax.Array:
-        head_VD = self.wte[...] if self.cfg.tie_embeddings else self.lm_head[...]
-        return head_logits(self.ln_f(x_BTD), head_VD, self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
-
-
-def lookup_table(table_VD: jax.Array) -> jax.Array:
-    """The [V, D] table as the token lookup (and the loss's label lookup) reads it: whole rows, so
-    its fsdp shards are gathered (ZeRO-3), and V kept on tp, as Megatron's vocab-parallel
-    embedding, except where fsdp and tp are both > 1. There XLA:GPU's partitioner aborted the
-    process on this gather inside the train step's dp shard_map at gpt2-124m's batch sizes (a
-    CHECK in ExpandDeviceGroupsWithIota; tests/test_gpu_compile.py), so the table is read whole,
-    gathered over tp too: one table's worth of bytes more per micro-batch, in a layout that
-    gathers every weight anyway."""
-    mesh = jax.sharding.get_abstract_mesh()
-    whole = not mesh.empty and mesh.shape.get("fsdp", 1) > 1 and mesh.shape.get("tp", 1) > 1
-    return shard(table_VD, None if whole else "vocab", None)
-
-
-def head_table(params: dict) -> jax.Array:
-    """The output head's [V, D] table in a parameter dict: `lm_head` when untied, else `wte`."""
-    return params["lm_head"] if "lm_head" in params else params["wte"]
-
-
-def softcap(logits: jax.Array, cap: float) -> jax.Array:
-    """cap * tanh(logits / cap) (model.logit_softcap); the identity for cap = 0."""
-    return cap * jnp.tanh(logits / cap) if cap else logits
+        return head_logits(self.ln_f(x_BTD), self._head()[...], self.cfg.vocab_size, dtype, self.cfg.logit_softcap)
 
 
 def head_logits(x_BTD: jax.Array, wte_VD: jax.Array, vocab_size: int, dtype: jnp.dtype, cap: float = 0.0) -> jax.Array:
@@ -261,7 +230,8 @@ def param_count(cfg: ModelConfig, include_position: bool = True, active: bool = 
     mlp = mats * D * F + b * ((mats - 1) * F + D)
     norm = int(cfg.norm_scale) + b * (cfg.norm == "layernorm")  # parameters per normalised feature
     qkv = (D + b) * (cfg.n_head * K + 2 * cfg.kv_heads * K)
-    per_block = 2 * norm * D + qkv + (cfg.n_head * K * D + b * D) + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
+    attn_out = cfg.n_head * K * D + b * D
+    per_block = 2 * norm * D + qkv + attn_out + mlp + (2 * K * int(cfg.norm_scale) if cfg.qk_norm else 0)
     moe_blocks = L // cfg.moe_every if cfg.moe_experts else 0
     experts = cfg.moe_top_k if active else cfg.moe_experts
     Fe, S = cfg.expert_width, cfg.moe_shared_experts

@@ -64,9 +64,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.model.activations import activate
 from jaxgpt.model.dropless import dropless
-from jaxgpt.model.fp8 import linear
+from jaxgpt.model.ops import Ops
 from jaxgpt.parallel.mesh import manual_size, shard
 
 
@@ -100,9 +99,10 @@ def _top_k(probs_GSE: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def select(logits_GSE: jax.Array, top_k: int, bias_E: jax.Array | None = None, norm_topk: bool = True
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(probs_GSE, weight_GSK, expert_GSK): the top-k experts per token and their router
-    probabilities, renormalised to sum to 1 (`norm_topk`, model.moe_norm_topk) or as they are. With a routing bias (model.moe_balance=bias) the experts are chosen by
-    probability + bias but weighted by probability alone (DeepSeek-V3): the bias steers the load
-    without entering the function the experts compute."""
+    probabilities, renormalised to sum to 1 (`norm_topk`, model.moe_norm_topk) or as they are.
+    With a routing bias (model.moe_balance=bias) the experts are chosen by probability + bias but
+    weighted by probability alone (DeepSeek-V3): the bias steers the load without entering the
+    function the experts compute."""
     probs_GSE = jax.nn.softmax(logits_GSE, axis=-1)
     if bias_E is None:
         weight_GSK, expert_GSK = _top_k(probs_GSE, top_k)
@@ -162,18 +162,18 @@ def _rows(bias_EX: jax.Array | None, y_MX: jax.Array, expert_M: jax.Array) -> ja
     return y_MX + jnp.take(bias_EX.astype(y_MX.dtype), expert_M, axis=0, mode="fill", fill_value=0)
 
 
-def expert_mlp(x_MD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, w: Experts, mlp: str) -> jax.Array:
+def expert_mlp(x_MD: jax.Array, sizes_E: jax.Array, expert_M: jax.Array, w: Experts, mlp: str, ops: Ops) -> jax.Array:
     """The experts on rows grouped by expert (dropless dispatch): grouped GEMMs, `jax.lax.ragged_dot`."""
     dt = x_MD.dtype
     h_MF = _rows(w.fc_bias_EF, jax.lax.ragged_dot(x_MD, w.fc_EDF.astype(dt), sizes_E), expert_M)
     gate_MF = None if w.gate_EDF is None else _rows(
         w.gate_bias_EF, jax.lax.ragged_dot(x_MD, w.gate_EDF.astype(dt), sizes_E), expert_M)
-    h_MF = activate(mlp, h_MF, gate_MF)
+    h_MF = ops.activation(mlp, h_MF, gate_MF, into="expert_out")
     return _rows(w.proj_bias_ED, jax.lax.ragged_dot(h_MF, w.proj_EFD.astype(dt), sizes_E), expert_M)
 
 
-def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "gelu", top_k: int,
-            capacity_factor: float, drop: bool = True, fp8: frozenset[str] = frozenset(), dispatch: str = "capacity",
+def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, ops: Ops, *, mlp: str = "gelu", top_k: int,
+            capacity_factor: float, drop: bool = True, dispatch: str = "capacity",
             bias_E: jax.Array | None = None, norm_topk: bool = True) -> tuple[jax.Array, MoEStats]:
     """The MoE feed-forward of normalised features [B, T, D]: each sequence is a group. `drop=False`
     (sampling) gives every expert room for the whole group, so no assignment is dropped and a
@@ -190,7 +190,7 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "g
         probs_GSE, weight_GSK, expert_GSK = select(logits_GSE, top_k, bias_E, norm_topk)
         chosen_GKSE = jax.nn.one_hot(expert_GSK.swapaxes(1, 2), E, dtype=jnp.int32)
         stats = _stats(logits_GSE, probs_GSE, chosen_GKSE, jnp.zeros((), jnp.float32))
-        expert_fn = functools.partial(expert_mlp, w=w, mlp=mlp)
+        expert_fn = functools.partial(expert_mlp, w=w, mlp=mlp, ops=ops)
         y_ND = dropless(x_BTD.reshape(B * T, D), weight_GSK.reshape(B * T, top_k), expert_GSK.reshape(B * T, top_k),
                         expert_fn, E)
         return shard(y_ND.reshape(B, T, D), "batch", "seq", "act_embed"), stats
@@ -203,11 +203,12 @@ def moe_mlp(x_BTD: jax.Array, router_DE: jax.Array, w: Experts, *, mlp: str = "g
     x_EGCD = shard(jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_BTD), "experts", "expert_batch", None, "act_embed")
     if manual_ep := manual_size("ep") > 1:
         x_EGCD = jax.lax.all_to_all(x_EGCD, "ep", 0, 1, tiled=True)  # [E/ep, G x ep, C, D]
-    h_EGCF = _plus(linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF.astype(dt), "expert_in" in fp8), w.fc_bias_EF)
+    h_EGCF = _plus(ops.linear("expert_in", "egcd,edf->egcf", x_EGCD, w.fc_EDF), w.fc_bias_EF)
     gate_EGCF = None if w.gate_EDF is None else _plus(
-        linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF.astype(dt), "expert_gate" in fp8), w.gate_bias_EF)
-    h_EGCF = shard(activate(mlp, h_EGCF, gate_EGCF), "experts", "expert_batch", None, "act_mlp")
-    y_EGCD = _plus(linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD.astype(dt), "expert_out" in fp8), w.proj_bias_ED)
+        ops.linear("expert_gate", "egcd,edf->egcf", x_EGCD, w.gate_EDF), w.gate_bias_EF)
+    h_EGCF = ops.activation(mlp, h_EGCF, gate_EGCF, into="expert_out")
+    h_EGCF = shard(h_EGCF, "experts", "expert_batch", None, "act_mlp")
+    y_EGCD = _plus(ops.linear("expert_out", "egcf,efd->egcd", h_EGCF, w.proj_EFD), w.proj_bias_ED)
     if manual_ep:
         y_EGCD = jax.lax.all_to_all(y_EGCD, "ep", 1, 0, tiled=True)  # back to [E, G, C, D]
     y_EGCD = shard(y_EGCD, "experts", "expert_batch", None, "act_embed")

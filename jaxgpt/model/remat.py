@@ -11,17 +11,16 @@ Policies from least to most recompute (REMAT_POLICIES):
 
 Every policy but `full` keeps what a fused attention kernel's forward returns (cuDNN's or tokamax's:
 its output [B, T, H, K] and its per-row softmax statistics [B, H, T]), so that the backward never
-runs that forward again. It is the costliest kernel to recompute (at 8,192 positions, 13% of a
-Llama-8B-shaped block's forward FLOPs with the causal half skipped, at about half the GEMMs' FLOP
-rate: 282 ms of the 4-layer slice's 8,083 ms step predicted on an H100) and among the cheapest to
-keep (one [B, T, D] activation). torchtitan's selective activation checkpointing
+runs that forward again. At long contexts it is the costliest kernel to recompute (a large share
+of a block's forward FLOPs, at about half the GEMMs' FLOP rate; docs/benchmarks.md) and among the
+cheapest to keep (one [B, T, D] activation). torchtitan's selective activation checkpointing
 saves its scaled-dot-product-attention outputs for the same reason. With the XLA attention (a CPU,
 or model.attention=xla) there is no such kernel: `attention` then recomputes as `full` does, and
 the dots policies keep its einsums' outputs as they keep any other matmul's.
 
 A kernel is recognised by the primitive JAX binds for its forward: `dot_product_attention_fwd_wrapper`
 for cuDNN's (jax.nn.dot_product_attention), and for tokamax's the `remat_opt` of its custom VJP
-(`custom_vjp(optimize_remat=True)`) around a Pallas kernel (a `pallas_call`, or Mosaic GPU's `mpmd_map`).
+(optimize_remat=True) around a Pallas kernel (a `pallas_call`, or Mosaic GPU's `mpmd_map`).
 
 `resolve` compiles the real train step (jaxgpt.plan.plan, nothing runs) with each policy in that
 order and takes the first whose per-device total (XLA's memory analysis: arguments + outputs -
@@ -45,9 +44,13 @@ import jax.extend.core as jex_core
 
 from jaxgpt.config import Config
 from jaxgpt.errors import UserError
-from jaxgpt.model.fp8 import SCALE
 
 ORDER = ("none", "dots", "dots_no_batch", "attention", "full")
+
+# The name of every fp8 per-tensor scale (jaxgpt/lowering/fp8.py `quantize`). Every policy keeps these
+# scalars: a block recomputed in the backward pass then casts its activations with the forward's
+# scales instead of reading each one again for its amax.
+SCALE = "fp8_scale"
 
 _CUDNN_FORWARD = "dot_product_attention_fwd_wrapper"
 _KERNELS = {"pallas_call", "mpmd_map"}  # a Pallas kernel; Mosaic GPU's (tokamax's on JAX 0.12) is an mpmd_map

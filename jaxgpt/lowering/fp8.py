@@ -1,4 +1,5 @@
-"""fp8 matmuls for the transformer's linear layers (`model.fp8=true`).
+"""fp8 matmuls for the transformer's linear layers (`model.fp8`): a choice of the lowering, as
+float8 is a converter in torchtitan; the model never knows (ops.py `Lowering.linear`).
 
 Formats. Forward operands (activations and weights) are float8_e4m3fn (3 mantissa bits, max 448):
 precision matters more than range there. The gradient flowing back into a matmul is float8_e5m2
@@ -7,73 +8,32 @@ GEMM, and the result is rescaled and written in the compute dtype.
 
 Scaling recipe: current (dynamic) per-tensor scaling. Each operand is divided by the smallest
 power of two >= amax(|x|) / fp8_max just before the cast, so its largest element lands in the
-format's top binade (torchao's power-of-two scales; MX formats' scales are powers of two too), and
-the GEMM's result is multiplied back by both scales. A power of two makes that multiply exact: the
-GEMM can write its result in the compute dtype, rounded once, and the rescale after it moves no
-precision. (A scale of exactly amax / fp8_max used the top binade fully, but then the GEMM had to
-write fp32, for the rescale and cast in the next fusion: in gpt2-124m's compiled H100 step that was
-2 x 6,912 extra bytes per token and layer; 1,166.1 -> 1,059.3 ms predicted.) The amax is computed
-from the tensor itself on every step: one reduction per operand, but no state (nothing to
-checkpoint, no stale scale after a loss spike, the weakness of delayed scaling's amax history).
-The one exception is the MLP activation (mlp_out's input): its amax comes from the pre-activation
-h (model/activations.py `activation_amax`, `linear`'s x_amax), so the kernel that casts it computes
-it from h and it is never written in bf16. An incoming gradient's amax is taken over its rows
-first (`_column_amax`), the shape of the bias gradient's sum, so one kernel computes both.
-Under a sharded mesh the amax is a global max, which XLA turns into a small all-reduce; inside the
-train step's `shard_map` (jaxgpt/step.py) the manual dp axis is split by hand, so an explicit
-`pmax` over it makes it global there too: one scale per tensor on every layout. (pp, also manual
-in a pipelined step, holds different layers per stage: no pmax over it.)
+format's top binade (torchao's power-of-two scales; MX formats' are powers of two too), and the
+GEMM's result is multiplied back by both scales: exact, so the GEMM writes the compute dtype,
+rounded once. The amax is the tensor's own on every step: no state to checkpoint, no stale scale
+after a loss spike (delayed scaling's weakness). Inside the train step's `shard_map` the manual
+dp axis is split by hand, so a `pmax` over it keeps one scale per tensor on every layout (pp's
+stages hold other tensors: no pmax over it). Tuned forms take some amaxes from a bound their
+producer already has (norm_amax, activation_amax) and reduce a gradient's over its rows first,
+in the kernel that sums its bias gradient (fp8_pins).
 
-Direct fp8 GEMMs. The matmul is `lax.dot_general` on the fp8 arrays themselves with the compute
-dtype as `preferred_element_type`, then the exact `* scale_x * scale_w`. XLA:GPU's GEMM rewriter
-turns a dot with fp8 operands (at least one e4m3) into a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`,
-QGMMA on Hopper) that accumulates in fp32 and writes bf16 (tests/test_gpu_compile.py holds it). The
-older quantize-dequantize form (fp8 -> bf16 * scale, then an ordinary dot) relied on the rewriter
-recognising that pattern after other passes had run; they simplified it away and no fp8 GEMM
-formed on a real H100 (docs/benchmarks.md). Flax and Transformer Engine moved to direct fp8 dots
-for the same reason. On CPU, XLA upcasts the fp8 operands and computes the same products exactly
-(an e4m3 x e4m3 or e5m2 x e4m3 product is exact in fp32), which is what the CPU tests check.
+Direct fp8 GEMMs: `lax.dot_general` on the fp8 arrays with the compute dtype as its preferred
+type, which XLA:GPU's GEMM rewriter turns into a cuBLASLt fp8 GEMM (`__cublas$lt$matmul$f8`;
+tests/test_gpu_compile.py holds it). The older quantize-dequantize pattern was simplified away
+before the rewriter saw it, on a real H100 (docs/benchmarks.md). On a CPU, XLA upcasts the fp8
+operands and computes the same products exactly, which is what the CPU tests check.
 
-Weights under fsdp. A block weight is split over fsdp along its width and gathered before its GEMM.
-Its e4m3 copy is constrained to the parameter's own sharding (`linear`'s w_axes, the Param's
-logical axes), so the cast runs on each device's shard (the amax of a shard, then an all-reduce of
-one scalar) and the all-gather moves 1 byte an element instead of bf16's 2; the backward pass
-gathers the saved e4m3 shard again for dx, as fsdp regathers a weight (tests/test_gpu_compile.py
-reads the f8 all-gathers in the compiled H100 step). A pipelined step is left alone: its stage
-weights are gathered whole in fp32 once per round of the schedule (`pipeline.gather_once`), and
-re-splitting them for an f8 gather per use would add traffic, not save it.
+Weights under fsdp: a weight's e4m3 copy is constrained to the parameter's own sharding, so the
+cast runs on each shard and the all-gather moves 1 byte an element (a pipeline's stage weights,
+gathered whole once a round, are left alone). Once per step (trick prequantize, jaxgpt/copies.py) the
+train step writes each layer's e4m3 copy in the weight's layout (the dx GEMM's operand) and with
+the forward's contracted axes last (the forward's K-major operand); the loop's GEMMs read them
+(`Prequantized`, `_prequantized_einsum`), bit for bit what quantizing in the loop gives.
 
-Weights once per step. The train step quantizes a dense model's block weights before its
-micro-batch loop, one micro-batch or many (`prequantize`, via
-jaxgpt/model/layers.py `prequantize_weights`): each layer's e4m3 copy in the weight's own layout
-(the dx GEMM's operand) and with the forward's contracted axes last (the forward GEMM's K-major
-operand), written by one kernel per weight, once a step. Inside the loop the GEMMs read them
-(`Prequantized`, `_prequantized_einsum`); the gradient is still the parameter's. Bit for bit what
-quantizing in the loop gives (tests/test_kernels.py), and on gpt2-1.3b's 16 micro-batches on one
-H100 3,504.9 -> 3,372.8 ms a step predicted: the weights' amax and casts ran 16 times a step. With
-one micro-batch it is the same work, but one kernel then writes both layouts, where quantizing in
-the loss transposed the e4m3 copy in a kernel of its own (the llama-8b slice at one micro-batch:
-739.9 -> 732.2 ms predicted, stop 52). Where the train step sums the weight gradients over its
-micro-batches inside their GEMMs (jaxgpt.config.weight_grads_summed_in_gemm), the copies are
-`PrequantizedFp32Grad`s: the dw GEMM writes fp32, which XLA adds to the sum in the same cuBLASLt
-call, rather than bf16 added in a pass of its own (gpt2-1.3b: 3,253.2 -> 3,182.1 ms). A pipeline
-(its stage weights are gathered per round, below) and the experts' GEMMs quantize in the loop.
-
-Gradients (`custom_vjp`). Rounding has zero derivative almost everywhere; the backward pass treats
-the quantization as the identity (straight-through) and runs both gradient GEMMs in fp8 too:
-dx = dy . w^T and dw = x^T . dy, with dy quantized to e5m2 and the saved e4m3 operands of the
-forward pass (e5m2 x e4m3: cuBLASLt does not take e5m2 x e5m2). The residuals kept for the
-backward pass are the fp8 operands and their scales: half the bytes of bf16 activations.
-
-Which layers. QKV, attention-out, MLP-in and MLP-out (and the MoE experts' two): the matmuls that
-hold ~all of a transformer block's FLOPs. The embedding lookup and, by default, the tied output
-head stay in the compute dtype: the head sets the logits' precision, and MaxText keeps it out of
-fp8. `model.fp8_head=true` puts the head in fp8 too (jaxgpt/model/loss.py: its three GEMMs per chunk,
-with `quantize` and `scaled_dot` from here), as the fastest GPT-2 speedruns do; for gpt2-124m the
-head is ~30% of the FLOPs. Attention's two batched matmuls (QK^T, PV) stay bf16 inside the kernel.
-`model.fp8` may also name the kinds (`qkv,mlp_in,mlp_out`), and `model.fp8=auto` names those the
-step-time model predicts faster in fp8 on the target GPU (jaxgpt/gpu/fp8_choice.py): each `linear`
-call is told whether its own kind is in fp8.
+Gradients (`custom_vjp`): straight-through; both gradient GEMMs in fp8 too, dy in e5m2 against
+the forward's saved e4m3 operands (cuBLASLt takes no e5m2 x e5m2). Which layers: the block
+linears (and the experts'), ~all of a block's FLOPs; the embedding and, unless model.fp8_head,
+the head stay in the compute dtype (loss.py); attention's batched matmuls stay bf16 in its kernel.
 """
 
 from __future__ import annotations
@@ -86,15 +46,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxgpt.parallel.mesh import shard, splits
+from jaxgpt.model.remat import SCALE
+from jaxgpt.parallel.mesh import shard
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-
-# The name of every per-tensor scale `quantize` makes. Every remat policy keeps these scalars
-# (jaxgpt/model/remat.py): a block recomputed in the backward pass then casts its activations with the
-# forward's scales instead of reading each one again for its amax.
-SCALE = "fp8_scale"
 
 
 def power_of_two_scale(amax: jax.Array, fp8: jnp.dtype) -> jax.Array:
@@ -118,10 +73,8 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False,
     computes both in one kernel and reads the gradient once for the two (`_column_amax`).
 
     pin: x and its amax pass an optimization barrier together, so that x is written once in its own
-    dtype by the fusion that produces it (with the amax) and read once by the cast. Without it
-    XLA:GPU, allowed excess precision, drops a gradient's rounding to bf16 and writes its producer's
-    fp32 values for the cast to read: twice the bytes both ways (the GELU backward's [rows, 4D]
-    gradient of every MLP, 1.6 GB written and read per layer and micro-batch of gpt2-124m)."""
+    dtype by the fusion that produces it and read once by the cast: without it XLA:GPU, allowed
+    excess precision, wrote a gradient's fp32 values for the cast to read."""
     if amax is None:
         amax = _column_amax(x, rows) if rows else jnp.max(jnp.abs(x))
     amax = _global(amax.astype(jnp.float32))
@@ -134,12 +87,10 @@ def quantize(x: jax.Array, fp8: jnp.dtype, pin: bool = False,
 def _column_amax(x: jax.Array, rows: tuple[int, ...]) -> jax.Array:
     """max |x|, as the max over `rows` first, then over what is left: exactly the full max.
 
-    Why: a gradient's full reduction and its bias gradient's sum over the rows are reductions of two
-    shapes, which XLA:GPU puts in two kernels, each reading the [rows, N] gradient (gpt2-1.3b: the
-    qkv gradient read again for its amax, the MLP's [rows, 4D] gradient again for its bias sum,
-    ~56 ms a step predicted). Reduced over the rows, the amax has the bias sum's shape and shares its
-    kernel. The barrier keeps XLA's simplifier from folding the two maxima back into one full
-    reduction; it holds an [N] vector."""
+    Why: a full reduction and the bias gradient's sum over the rows are reductions of two shapes,
+    which XLA:GPU puts in two kernels, each reading the [rows, N] gradient; reduced over the rows
+    first, the amax shares the bias sum's kernel. The barrier (on an [N] vector) keeps XLA's
+    simplifier from folding the two maxima back into one full reduction."""
     return jnp.max(jax.lax.optimization_barrier(jnp.max(jnp.abs(x), axis=rows)))
 
 
@@ -228,13 +179,13 @@ def scaled_dot(spec: str, x_q: jax.Array, sx: jax.Array, y_q: jax.Array, sy: jax
     return (out.astype(jnp.float32) * (sx * sy)).astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fp8_einsum(spec: str, w_axes: tuple | None, x: jax.Array, w: jax.Array,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fp8_einsum(spec: str, w_axes: tuple | None, tuned: bool, x: jax.Array, w: jax.Array,
                 x_amax: jax.Array | None = None) -> jax.Array:
-    return _forward(spec, w_axes, x, w, x_amax)[0]
+    return _forward(spec, w_axes, tuned, x, w, x_amax)[0]
 
 
-def _forward(spec, w_axes, x, w, x_amax=None):
+def _forward(spec, w_axes, tuned, x, w, x_amax=None):
     x_q, sx = quantize(x, E4M3, amax=x_amax)
     w_q, sw = quantize(w, E4M3)
     if w_axes is not None:  # the fp8 copy stays sharded like the parameter: fsdp gathers f8, not bf16
@@ -242,17 +193,19 @@ def _forward(spec, w_axes, x, w, x_amax=None):
     return scaled_dot(spec, x_q, sx, w_q, sw, x.dtype), (x_q, sx, w_q, sw)
 
 
-def _backward(spec, w_axes, residuals, dy, dw_dtype=None):
+def _backward(spec, tuned, residuals, dy, dw_dtype=None):
+    """dx and dw, dy cast to e5m2. tuned (trick `fp8_pins`): dy pinned and its amax taken over its
+    rows first, and dx's rescale folded into its GEMM (`quantize`, `scaled_dot`: the same values)."""
     x_q, sx, w_q, sw = residuals
     a, b, out = einsum_operands(spec)
-    dy_q, sdy = quantize(dy, E5M2, pin=True, rows=_bias_rows(spec))
-    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=True)
+    dy_q, sdy = quantize(dy, E5M2, pin=tuned, rows=_bias_rows(spec) if tuned else ())
+    dx = scaled_dot(f"{out},{b}->{a}", dy_q, sdy, w_q, sw, dy.dtype, fold=tuned)
     dw = scaled_dot(f"{a},{out}->{b}", x_q, sx, dy_q, sdy, dw_dtype or dy.dtype)
     return dx, dw
 
 
-def _backward_amax(spec, w_axes, residuals, dy):
-    return (*_backward(spec, w_axes, residuals, dy), None)  # x_amax: no gradient, as x's own amax has none
+def _backward_amax(spec, w_axes, tuned, residuals, dy):
+    return (*_backward(spec, tuned, residuals, dy), None)  # x_amax: no gradient, as x's own amax has none
 
 
 _fp8_einsum.defvjp(_forward, _backward_amax)
@@ -270,7 +223,7 @@ class Prequantized(NamedTuple):
 
 
 def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
-                axes: tuple | None = None) -> Prequantized:
+                axes: tuple | None = None, fsdp: bool = False) -> Prequantized:
     """w [stacked axes..., weight axes...] -> its e4m3 copies, one scale per layer, each layer's
     bit for bit what `fp8_einsum` makes of it inside the loop (the weight rounded to `dtype`, its
     amax, the power-of-two scale, the clipped cast). `contracted`: how many leading weight axes
@@ -278,16 +231,13 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
     transpose in the loop). `axes`: w's logical axes, which q keeps (fsdp then gathers 1 byte an
     element) and q_t permutes.
 
-    Where fsdp splits the weight (its 'embed' axis) the loop gathers it for each GEMM, and a q_t
-    made here would be gathered as well as q: two fp8 gathers where the weight's forward and
-    backward GEMMs need one each of q (llama-8b on fsdp=8: 0.69x the bf16 gather bytes instead of
-    0.5x). There q_t is None and the forward GEMM reads the gathered q, transposed on the device
-    as the in-loop `fp8_einsum` does."""
+    Where fsdp splits the weight the loop gathers it for each GEMM, and a q_t made here would be
+    gathered as well as q; there q_t is None and the forward reads the gathered q, transposed."""
     w_c = w.astype(dtype)
     amax = _global(jnp.max(jnp.abs(w_c), axis=tuple(range(stacked, w.ndim))).astype(jnp.float32))
     scale = power_of_two_scale(amax, E4M3)
     q = _scaled_cast(w_c, scale.reshape(scale.shape + (1,) * (w.ndim - stacked)), E4M3)
-    if axes is not None and "embed" in axes and splits("embed") > 1:
+    if axes is not None and "embed" in axes and fsdp:
         return Prequantized(w, shard(q, *axes), None, scale)
     perm = (*range(stacked), *range(stacked + contracted, w.ndim), *range(stacked, stacked + contracted))
     q_t = jnp.transpose(q, perm)
@@ -297,9 +247,8 @@ def prequantize(w: jax.Array, stacked: int, contracted: int, dtype: jnp.dtype,
 
 
 class PrequantizedFp32Grad(Prequantized):
-    """A `Prequantized` weight whose gradient GEMM writes fp32 (where the train step sums it over
-    micro-batches inside that GEMM, jaxgpt.config.weight_grads_summed_in_gemm), not the compute
-    dtype. A type of its own, not a field: a Prequantized is a pytree, and the choice must stay static."""
+    """A `Prequantized` weight whose gradient GEMM writes fp32 (trick grads_in_gemm), not the
+    compute dtype. A type of its own, not a field: the choice must stay static."""
 
 
 def _transposed_spec(spec: str) -> str:
@@ -318,14 +267,10 @@ def _prequantized_einsum(spec: str, w_dtype: jnp.dtype, fp32_grad: bool, parts: 
                          b: jax.Array | None = None) -> jax.Array | tuple[jax.Array, ...]:
     """`jnp.einsum(spec, x, w)` (+ b) from the weight's e4m3 copies (`Prequantized`).
 
-    parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (attention's
-    q, k and v), the tuple of their outputs: each GEMM writes its slice as the attention kernel
-    reads it, with the rescale in cuBLASLt's alpha and its bias (b: the tuple of the slices', any
-    None) in its epilogue, where one GEMM's [rows, 3D] output was split with the bias by a pass of
-    its own. Without parts a bias goes in the epilogue too (the MLP's in GEMM, whose output the
-    activation's amax pass and its cast read).
-    The backward joins the slices' gradients (the kernel that takes their amax and the bias's
-    gradient) for one e5m2 cast and the weight's two gradient GEMMs, as before."""
+    parts: None, or an axis of w whose slices the forward takes as GEMMs of their own (q, k and v),
+    the tuple of their outputs, each with the rescale in cuBLASLt's alpha and its bias (b: the
+    tuple of the slices', any None) in its epilogue. Without parts a bias goes in the epilogue too
+    (the MLP's in GEMM). The backward joins the slices' gradients for one e5m2 cast."""
     return _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax, b)[0]
 
 
@@ -349,13 +294,11 @@ def _pre_forward(spec, w_dtype, fp32_grad, parts, x, w, q, q_t, scale, x_amax=No
         w_i = q_t if parts is None else jax.lax.index_in_dim(q_t, i, parts - k, keepdims=False)
         b_i = b if parts is None or b is None else b[i]
         y_i = scaled_dot("rk,fk->rf", x2_q, sx_i, w_i.reshape(-1, x2_q.shape[1]), scale, x.dtype, fold=True)
-        if b_i is not None:  # its own array (a barrier), as in layers.py `_precast_einsum`
+        if b_i is not None:  # its own array (a barrier), as in linear.py `_precast_einsum`
             y_i = y_i + jax.lax.optimization_barrier(b_i.astype(x.dtype).reshape(-1))
         y.append(y_i.reshape(*rows, *w_i.shape[:-k]))
     if parts is None:
-        # the MLP's in GEMM (its bias here: the amax pass after it only reads h, where it also
-        # added the bias and wrote h again; gpt2-124m fp8 on one H100, 923.0 -> 908.3 ms a step
-        # predicted): a barrier keeps the activation after it out of the cuBLASLt call, which
+        # the MLP's in GEMM: a barrier keeps the activation after it out of the cuBLASLt call, which
         # XLA:GPU would make a GELU_AUX fp8 call it then fails to emit (RET_CHECK !has_aux_output)
         return jax.lax.optimization_barrier(y[0]), (x_q, sx, q, scale, b)
     return tuple(y), (x_q, sx, q, scale, b)
@@ -370,7 +313,7 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
         dy = sum(jax.lax.pad(jnp.expand_dims(g, axis), jnp.zeros((), g.dtype),
                              [(i if d == axis else 0, n - 1 - i if d == axis else 0, 0) for d in range(g.ndim + 1)])
                  for i, g in enumerate(dy))
-    dx, dw = _backward(spec, None, residuals, dy, jnp.float32 if fp32_grad else None)
+    dx, dw = _backward(spec, True, residuals, dy, jnp.float32 if fp32_grad else None)
     db = None if b is None else jnp.sum(dy.astype(jnp.float32), axis=_bias_rows(spec))
     if isinstance(b, tuple):  # the slices' biases: db's leading axis is theirs
         db = tuple(None if b_i is None else db[i].astype(b_i.dtype) for i, b_i in enumerate(b))
@@ -380,29 +323,6 @@ def _pre_backward(spec, w_dtype, fp32_grad, parts, residuals, dy):
 
 
 _prequantized_einsum.defvjp(_pre_forward, _pre_backward)
-
-
-def linear(name: str, spec: str, x: jax.Array, w: jax.Array, fp8: bool, w_axes: tuple | None = None,
-           x_amax: jax.Array | None = None, *, parts: int | None = None,
-           bias: jax.Array | tuple | None = None) -> jax.Array | tuple[jax.Array, ...]:
-    """One of a block's linear layers: `fp8_einsum` or `jnp.einsum`, under the named scope `name`
-    ('qkv', 'attn_out', 'mlp_in', 'mlp_gate', 'mlp_out', 'expert_in', 'expert_gate', 'expert_out'; the
-    gates are swiglu's, grouped-query attention's q and kv GEMMs are both 'qkv'). XLA keeps the scope in
-    the compiled HLO's op_name metadata, forward and backward, which is how `jaxgpt.hlo.gemm_layers`
-    tells which layer each GEMM belongs to. w_axes: the weight's logical axes (its Param's), see
-    `fp8_einsum`. x_amax: max |x| in fp32 where the caller knows it without reading x (the MLP
-    activation's, model/activations.py `activation_amax`); fp8 only. bias: added to the output.
-    parts: an axis of w; the tuple of the output's slices along it (`_prequantized_einsum` takes
-    each as a GEMM of its own)."""
-    with jax.named_scope(name):
-        if isinstance(w, Prequantized):
-            if fp8:
-                return _prequantized_einsum(spec, jnp.dtype(w.w.dtype), isinstance(w, PrequantizedFp32Grad), parts,
-                                            x, *w, x_amax, bias)
-            w = w.w
-        w = w.astype(x.dtype)
-        y = fp8_einsum(spec, x, w, w_axes, x_amax) if fp8 else jnp.einsum(spec, x, w)
-        return _with_bias(y, bias, spec, parts)
 
 
 def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: int | None) -> jax.Array | tuple:
@@ -416,12 +336,11 @@ def _with_bias(y: jax.Array, bias: jax.Array | tuple | None, spec: str, parts: i
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, w_axes: tuple | None = None,
-               x_amax: jax.Array | None = None) -> jax.Array:
+               x_amax: jax.Array | None = None, tuned: bool = True) -> jax.Array:
     """`jnp.einsum(spec, x, w)` as fp8 GEMMs: e4m3 operands forward, an e5m2 gradient backward.
     x and w share the compute dtype (the model casts its weights), which is also the output's.
-    w_axes (the weight's logical axes): its e4m3 copy is constrained to the parameter's sharding,
-    so the cast runs on each device's shard and fsdp's all-gather moves 1 byte an element."""
+    w_axes (the weight's logical axes; None in a pipeline, whose stage weights arrive gathered once
+    per round): its e4m3 copy is constrained to the parameter's sharding, so the cast runs on each
+    device's shard and fsdp's all-gather moves 1 byte an element. tuned: `_backward`'s pins."""
     einsum_operands(spec)
-    if "pp" in jax.sharding.get_abstract_mesh().manual_axes:
-        w_axes = None  # a pipeline stage's weights arrive gathered once per round (pipeline.gather_once)
-    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), x, w.astype(x.dtype), x_amax)
+    return _fp8_einsum(spec, None if w_axes is None else tuple(w_axes), tuned, x, w.astype(x.dtype), x_amax)

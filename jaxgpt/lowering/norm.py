@@ -1,39 +1,20 @@
-"""LayerNorm and RMSNorm over the last axis with a hand-written backward pass (issue 40).
+"""LayerNorm and RMSNorm with a hand-written backward pass (tricks `norm_vjp`, `norm_recompute`).
 
     y = (x - mean) * rstd * scale + bias        rstd = 1 / sqrt(mean((x - mean)^2) + eps)
-    RMS: mean = 0, no bias
-
-Statistics and arithmetic are fp32 whatever x's dtype; y and dx come back in x's dtype (bf16 on a
-GPU), so the backward pass reads and writes the residual stream's own [N, D] tensors and nothing
-wider:
-
     dx     = rstd (g scale - mean_D(g scale) - xhat mean_D(g scale xhat))
     dscale = sum_N(g xhat)     dbias = sum_N(g)
 
-Compiled for an H100 the backward is two passes over the bf16 g and x: one of row sums, then one
-that writes dx with dscale and dbias as column sums beside it (one variadic reduction,
-`_column_sums`).
+Statistics and arithmetic are fp32 whatever x's dtype; y and dx come back in x's dtype, so the
+backward reads and writes the residual stream's own [N, D] tensors and nothing wider. Autodiff of
+the fp32 formula (model/ops.py, the reference) left XLA:GPU a backward that wrote the fp32 product
+g * xhat only to read it back for dscale's column sum; here the column sums see only g, x and the
+per-row statistics, so XLA fuses both into the pass that writes dx.
 
-The statistics. By default the forward keeps only x (which the residual stream holds anyway) and
-the backward recomputes mean and rstd in its pass of row sums (`_recomputed`: sums of x, x^2, g and
-g x, each row shifted by its first element so that they do not cancel). The forward is then one
-kernel, XLA:GPU's Triton normalization fusion, that reads x and writes y: keeping the statistics
-made it three (the row mean, the variance, then y), with the residual add in the first (gpt2-124m
-on one H100: 956.6 -> 949.5 ms a step predicted; the add then moved into the GEMM before it,
-blocks.py `_residual`). keep_stats=True keeps them (the norm's module decides, layers.py `Norm`):
-where the norm feeds an fp8 GEMM, whose cast to e4m3 then computes y from x and the statistics and
-y is never written in bf16 (recomputing wrote it for the cast to read: gpt2-124m fp8 923.0 ->
-927.6 ms), and under fsdp, where the recomputing backward took more passes (gpt2-1.3b on 8 H100s,
-fsdp=8: 677.3 -> 682.6 ms).
-
-Why by hand. Autodiff of the fp32 formula left XLA:GPU a backward that wrote the fp32 product
-g * xhat, [N, D] wide, only to read it back for dscale's column sum, and summed dbias in a third
-pass (gpt2-124m on one H100: 2.2 GB a norm a micro-batch where these two passes move 1.2;
-jaxgpt.plan --target h100, docs/benchmarks.md "Issue 40"). The column sums here see only g, x and
-the per-row statistics, so XLA fuses both into the pass that writes dx, without the fp32
-temporary; tests/test_gpu_compile.py holds that no fp32 [N, D] tensor is written at gpt2-124m's
-micro-batch (gpt2-1.3b's compiled step: 51 such writes before, none after). At small micro-batches
-XLA's fusion choices differ: with 4 x 1,024 rows a device (dp=8) it still writes g * xhat.
+The statistics. With `keep_stats` the forward keeps each row's mean and rstd for the backward;
+without, it keeps only x and the backward recomputes them in its pass of row sums (`_recomputed`),
+so the forward is one kernel that reads x and writes y. The lowering (ops.py) decides which:
+kept where the norm feeds an fp8 GEMM (whose e4m3 cast then computes y from x and the statistics)
+and under fsdp. docs/ops.md has each choice's predicted gain.
 """
 
 from __future__ import annotations
@@ -43,28 +24,26 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxgpt.parallel.mesh import splits
-
-EPS = 1e-5
+EPS = 1e-5  # model.norm_eps's default
 
 
 def normalize(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None, rms: bool,
               keep_stats: bool = False, eps: float = EPS) -> jax.Array:
     """LayerNorm (rms=False) or RMSNorm of x over its last axis; scale/bias [D] (fp32) or None.
     keep_stats: the forward keeps each row's mean and rstd for the backward, which otherwise
-    recomputes them (module docstring: where each pays). eps: model.norm_eps."""
+    recomputes them. eps: model.norm_eps."""
     return _norm(x, scale, bias, rms, keep_stats, False, eps)
 
 
 def normalize_with_amax(x: jax.Array, scale: jax.Array | None, bias: jax.Array | None,
                         rms: bool, eps: float = EPS) -> tuple[jax.Array, jax.Array]:
     """(`normalize` keeping the statistics, an upper bound on max |y|: fp32, no gradient), for a
-    norm that feeds an fp8 GEMM, whose e4m3 cast needs max |y| for its scale (jaxgpt/model/fp8.py
-    `quantize`'s amax). |y_j| <= |x_j - mean| rstd |scale_j| + |bias_j|, so the bound is the
+    norm that feeds an fp8 GEMM, whose e4m3 cast needs max |y| for its scale (fp8.py `quantize`'s
+    amax; trick `norm_amax`). |y_j| <= |x_j - mean| rstd |scale_j| + |bias_j|, so the bound is the
     largest row's max |x - mean| rstd times max |scale| plus max |bias| (and 2^-7 more for y's
     rounding to x's dtype). The row maxima come from the pass that sums the variance, which reads
-    the same x - mean: the cast's reduction over y itself was a pass over [rows, D] of its own
-    (gpt2-1.3b fp8 on one H100: two a layer and micro-batch). As activation_amax's, a bound:
+    the same x - mean: the cast's reduction over y itself was a pass over [rows, D] of its own.
+    As activation_amax's, a bound:
     the largest value then lands in (fmax/4, fmax] where |scale| and |bias| do not peak at the
     largest deviation, not (fmax/2, fmax]."""
     return _norm(x, scale, bias, rms, True, True, eps)
@@ -133,9 +112,8 @@ def _norm_bwd(rms, keep_stats, with_amax, eps, res, g):
         gs_xhat_mean = jnp.mean(gs * xhat, axis=-1, keepdims=True)
     else:
         xhat, rstd, gs_mean, gs_xhat_mean = _recomputed(x, gs, rms, eps)
-    dscale, dbias = _column_sums(g32 * xhat if scale is not None else None, g32 if bias is not None else None, rows)
-    dscale = None if scale is None else dscale.astype(scale.dtype)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
+    dscale = None if scale is None else jnp.sum(g32 * xhat, axis=rows).astype(scale.dtype)
+    dbias = None if bias is None else jnp.sum(g32, axis=rows).astype(bias.dtype)
     dx = gs - xhat * gs_xhat_mean
     if not rms:
         dx = dx - gs_mean
@@ -158,22 +136,6 @@ def _recomputed(x: jax.Array, gs: jax.Array, rms: bool, eps: float) -> tuple:
     s1, sg = jnp.sum(d, -1, keepdims=True) / n, jnp.sum(gs, -1, keepdims=True) / n
     rstd = jax.lax.rsqrt(jnp.maximum(s2 - s1 * s1, 0.0) + eps)
     return (d - s1) * rstd, rstd, sg, rstd * (sgd - s1 * sg)
-
-
-def _column_sums(a: jax.Array | None, b: jax.Array | None, rows: tuple[int, ...]) -> tuple:
-    """(sum of a, sum of b) over `rows`, either None where not wanted, both as one variadic
-    reduction. Why one: the pass that writes dx also sums the residual branch's bias gradient (the
-    same incoming gradient's column sum), and with dscale and dbias as two reductions beside it
-    XLA:GPU moved one of the three into a pass of its own over the [N, D] gradient (gpt2-1.3b on
-    one H100: 4,137.6 -> 4,111.6 ms a step predicted with one; tests/test_gpu_compile.py). Not where
-    an automatic mesh axis splits the rows (fsdp, cp; dp and ep are split by hand in the train step's
-    shard_map): XLA's SPMD partitioner combines a variadic reduction's partial sums with an
-    all-gather per use, where two sums each take a reduction it can schedule with the rest (a
-    pipeline's stage loop then gathered every micro-batch: tests/test_pipeline.py)."""
-    if a is None or b is None or splits("batch") * splits("seq") > 1:
-        return tuple(None if t is None else jnp.sum(t, axis=rows) for t in (a, b))
-    zero = jnp.zeros((), jnp.float32)
-    return jax.lax.reduce((a, b), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), rows)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

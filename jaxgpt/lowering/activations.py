@@ -1,21 +1,17 @@
-"""The dense MLP's nonlinearities (model.mlp) with backward passes that keep only the GEMM outputs.
+"""model.mlp's nonlinearities with backward passes that keep only the GEMM outputs (trick
+activation_vjps; the reference is autodiff of the formulas, jaxgpt/model/ops.py).
 
     gelu    gelu_tanh(h)               keeps h            tanh recomputed where the derivative is formed
-            (the bf16 dense MLP:       keeps gelu'(h)     dh = g gelu'(h), in the out GEMM's epilogue;
+            (gelu_derivative:          keeps gelu'(h)     dh = g gelu'(h), in the out GEMM's epilogue)
              gelu_tanh_keeping_derivative)
     relu2   relu(h)^2                  keeps h            dh = 2 relu(h) g
     swiglu  silu(gate) h               keeps gate and h   dh = silu(gate) g
                                                           dgate = h g sig(gate) (1 + gate (1 - sig(gate)))
 
-Dense MLPs and experts (model/moe.py, dropless.py) both take them from here.
-h and gate are [B, T, F] (an expert's [..., F]) in the GEMM's output layout and dtype (bf16 on a GPU); the derivative is
-formed in fp32 inside the elementwise pass that reads g, and rounded once (the derivative kept
-in bf16 is rounded, then the product: twice). Autodiff's residuals
-are relu(h) and the mask, or silu(gate), sigmoid(gate) and h; in the compiled H100 step XLA already
-recomputes those inside the backward's fusions (a SwiGLU step moves the same bf16 [rows, F]
-tensors with either backward; docs/benchmarks.md "Issue 40"), so here the saved set is stated
-rather than left to fusion heuristics, as gelu_tanh's had to be. Values are autodiff's bit for bit;
-gradients are checked against autodiff in tests/test_custom_vjps.py.
+h and gate are [B, T, F] (an expert's [..., F]) in the GEMM's output dtype; the derivative is
+formed in fp32 inside the elementwise pass that reads g and rounded once. Autodiff kept tanh(...)
+as a [B, T, F] tensor of its own, written by one kernel and read by the next; here the saved set is
+stated rather than left to fusion heuristics. Values are autodiff's bit for bit (tests/test_ops.py).
 """
 
 from __future__ import annotations
@@ -82,9 +78,7 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 @jax.custom_vjp
 def gelu_tanh(h: jax.Array) -> jax.Array:
     """GPT-2's tanh-approximate GELU, 0.5 h (1 + tanh(c (h + 0.044715 h^3))), c = sqrt(2 / pi), with
-    a backward pass that keeps only h and recomputes tanh where the derivative is formed. Autodiff
-    kept tanh(...) as its own [B, T, F] tensor, written by one kernel and read by the next (6.4 GB
-    a layer for gpt2-124m's 512-sequence micro-batch; jaxgpt.plan --target h100)."""
+    a backward pass that keeps only h and recomputes tanh where the derivative is formed."""
     return jax.nn.gelu(h, approximate=True)
 
 
@@ -110,10 +104,8 @@ def gelu_tanh_keeping_derivative(h: jax.Array) -> jax.Array:
     """`gelu_tanh` whose forward writes gelu'(h), rounded to h's dtype, beside gelu(h), and whose
     backward is the product g gelu'(h) alone: in the compute dtype, with gelu'(h) an array of its
     own (an optimization barrier), so XLA:GPU takes it into the epilogue of the GEMM that writes g
-    (the MLP out projection's dx) and no pass reads g and h again. Per layer and micro-batch of
-    gpt2-124m's on one H100 that replaces the backward's [rows, F] pass (read h and g, write dh)
-    with one more write in the forward and the bias gradient's read of dh (jaxgpt.plan --target h100:
-    926.9 -> 912.1 ms a step predicted). The price is one rounding more: dh = round(g round(gelu'(h)))
+    (the MLP out projection's dx) and no pass reads g and h again: the backward's [rows, F] pass
+    (read h and g, write dh) becomes one more write in the forward. The price is one rounding more: dh = round(g round(gelu'(h)))
     where `gelu_tanh` gives round(g gelu'(h)), within two bf16 roundings of the fp32 product
     (tests/test_kernels.py). Values are jax.nn.gelu's bit for bit."""
     return jax.nn.gelu(h, approximate=True)
@@ -136,7 +128,7 @@ GELU_NEGATIVE_BOUND = 0.1701
 
 def activation_amax(kind: str, h: jax.Array) -> jax.Array | None:
     """max |activate(kind, h)| from h's largest element alone (fp32), for the fp8 cast of the
-    activation (jaxgpt/model/fp8.py `quantize`'s amax); None for swiglu, a product of two tensors.
+    activation (fp8.py `quantize`'s amax; trick activation_amax); None for swiglu, a product of two tensors.
 
     gelu and relu2 increase with h >= 0, and below 0 gelu stays within GELU_NEGATIVE_BOUND and
     relu2 is 0: so max(act(max(h, 0)), that bound) is the amax itself whenever the largest value
@@ -144,7 +136,7 @@ def activation_amax(kind: str, h: jax.Array) -> jax.Array | None:
     h rather than over act(h) lets XLA compute the activation inside the fusion that casts it to
     e4m3: reducing act(h) made it write act(h) in bf16 for the reduction and the cast to read (XLA
     does not duplicate tanh into two kernels), one [rows, F] tensor written and read more per
-    layer and micro-batch (gpt2-1.3b fp8 on an H100, predicted: docs/benchmarks.md, stop 51)."""
+    layer and micro-batch."""
     if kind == "swiglu":
         return None
     top = jnp.maximum(jnp.max(h).astype(jnp.float32), 0.0)
