@@ -17,15 +17,11 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import REPO, TINY, read_metrics, tiny_config, train_losses, xla_flags
+from helpers import REPO, TINY, read_metrics, restore_run, tiny_config, train_losses, xla_flags
 
-from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, PEER_LOST
-from jaxgpt.config import validate
 from jaxgpt.metrics import timing_key
-from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.resilience import goodput
-from jaxgpt.step import abstract_state, make_setup
 from jaxgpt.train import train
 
 # Constant learning rate, so a run stopped at step 4 and resumed to 8 follows the same schedule as
@@ -102,14 +98,7 @@ def test_checkpoint_moves_from_one_process_to_two(one_process_reference, tmp_pat
 
 def _final_state(run_dir):
     """The newest checkpoint of a 2-process run, restored here on the same 8-device mesh."""
-    cfg = tiny_config(*RUN, mesh=MESH)
-    mesh = make_mesh(validate(cfg, 8))
-    with jax.set_mesh(mesh):
-        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-        try:
-            return ckpt.restore_latest(abstract_state(cfg, make_setup(cfg, mesh)))
-        finally:
-            ckpt.close()
+    return restore_run(run_dir, tiny_config(*RUN, mesh=MESH))[0]
 
 
 def test_launcher_restarts_the_group_after_a_process_dies(two_process_run, tmp_path):
