@@ -44,6 +44,44 @@ import pytest  # noqa: E402
 
 assert jax.device_count() == 8, "tests need 8 fake CPU devices; was JAX imported before conftest?"
 
+
+def _compile_each_module_once(keep: int = 96) -> None:
+    """Compiles shared across the tests of a worker: XLA compiles one module (text, options and
+    devices the same) to one executable, so a module compiled once here is not compiled again. Two
+    train() calls of one config (a run, then its resume) build new jitted functions that JAX's own
+    caches do not match, and the suite is compile-bound. This is JAX's persistent compilation cache
+    kept in memory, where an executable is never serialized: an XLA:CPU executable read back from
+    disk can lose the order of its collectives (jaxgpt/parallel/distributed.py), so that cache stays
+    off. Modules with host callbacks are compiled every time (their callbacks are per executable).
+    Subprocesses (the CLI runs) compile as users' runs do."""
+    import collections
+    import hashlib
+
+    from jax._src import compiler
+
+    compile_and_load = compiler.backend_compile_and_load
+    compiled: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+
+    def once(backend, module, executable_devices, options, host_callbacks):
+        if host_callbacks:
+            return compile_and_load(backend, module, executable_devices, options, host_callbacks)
+        key = hashlib.sha256(b"\0".join([
+            str(module).encode(), options.SerializeAsString(), repr(sorted(options.env_option_overrides)).encode(),
+            repr((id(backend), [(d.platform, d.id) for d in executable_devices])).encode()])).digest()
+        if key in compiled:
+            compiled.move_to_end(key)
+            return compiled[key]
+        executable = compile_and_load(backend, module, executable_devices, options, host_callbacks)
+        compiled[key] = executable
+        if len(compiled) > keep:
+            compiled.popitem(last=False)
+        return executable
+
+    compiler.backend_compile_and_load = once
+
+
+_compile_each_module_once()
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 

@@ -55,11 +55,6 @@ def _logged_steps(run_dir: Path) -> int:
         return 0
 
 
-def _saving(run_dir: Path) -> bool:
-    d = run_dir / "checkpoints"
-    return d.is_dir() and any("tmp" in p.name for p in d.iterdir())
-
-
 def _committed(run_dir: Path, step: int) -> bool:
     return (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists()
 
@@ -80,30 +75,38 @@ def reference(tmp_path_factory, shakespeare_dir):
     return run_dir
 
 
-@pytest.mark.parametrize("moment", ["before the first checkpoint", "after a checkpoint", "during a save",
-                                    "after the last checkpoint"])
-def test_sigkill_then_resume_is_bit_identical(moment, reference, tmp_path):
-    when = {"before the first checkpoint": lambda: _logged_steps(tmp_path) >= 2,  # the step-0 eval row is written
-            # "after" means after the step-4 save is committed, not merely dispatched: on a busy
-            # machine the async commit can trail the loop by several steps.
-            "after a checkpoint": lambda: _committed(tmp_path, 4) and _logged_steps(tmp_path) >= 6,
-            "during a save": lambda: _committed(tmp_path, 4) and _saving(tmp_path),
-            # the run has still to wait for the save, write its end event and report: the re-run
-            # has nothing to train, and step 12's eval row must be there already
-            "after the last checkpoint": lambda: _committed(tmp_path, 12)}[moment]
-    proc = _start(tmp_path)
-    caught = _wait_for(when, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert caught, f"the run ended before the kill point ({moment})"
-    assert proc.returncode == -signal.SIGKILL
+def test_sigkill_at_any_moment_then_resume_is_bit_identical(reference, tmp_path):
+    """One run, SIGKILLed four times (no handler runs) and restarted each time by the same command:
+    before its first checkpoint, after one, while one is being written, and after the last. Each
+    restart resumes from the newest committed checkpoint, or starts again, and the run ends as the
+    uninterrupted one: every loss and every metrics row (none twice, none missing) and the final
+    parameters bit for bit."""
+    def new_save(names_before):  # a save's temporary directory that was not there when this process started
+        d = tmp_path / "checkpoints"
+        return lambda: d.is_dir() and any("tmp" in p.name and p.name not in names_before for p in d.iterdir())
+
+    moments = {"before the first checkpoint": lambda _: lambda: _logged_steps(tmp_path) >= 2,  # the step-0 eval row is written
+               # "after" means after the step-4 save is committed, not merely dispatched: on a busy
+               # machine the async commit can trail the loop by several steps.
+               "after a checkpoint": lambda _: lambda: _committed(tmp_path, 4) and _logged_steps(tmp_path) >= 6,
+               "during a save": lambda before: lambda: _committed(tmp_path, 4) and new_save(before)(),
+               # the run has still to wait for the save, write its end event and report: the re-run
+               # has nothing to train, and step 12's eval row must be there already
+               "after the last checkpoint": lambda _: lambda: _committed(tmp_path, 12)}
+    for moment, when in moments.items():
+        before = {p.name for p in (tmp_path / "checkpoints").iterdir()} if (tmp_path / "checkpoints").is_dir() else set()
+        proc = _start(tmp_path)
+        caught = _wait_for(when(before), proc)
+        proc.send_signal(signal.SIGKILL)
+        stdout, _ = proc.communicate()
+        assert caught, f"the run ended before the kill point ({moment})"
+        assert proc.returncode == -signal.SIGKILL
+        if moment in ("during a save", "after the last checkpoint"):  # a checkpoint was committed before this start
+            assert "resuming from step" in stdout, moment
 
     resumed = run_cli("--run-dir", str(tmp_path), *RUN)
     assert resumed.returncode == 0, resumed.stderr
-    if moment != "before the first checkpoint":
-        assert "resuming from step" in resumed.stdout
-    if moment == "after the last checkpoint":
-        assert "already trained to step 12" in resumed.stdout
+    assert "already trained to step 12" in resumed.stdout
     assert train_losses(tmp_path) == train_losses(reference)  # every step, bit for bit
     assert _rows(tmp_path) == _rows(reference)  # no eval row twice, none missing
     ours, theirs = _final_params(tmp_path), _final_params(reference)

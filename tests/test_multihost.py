@@ -73,29 +73,6 @@ def test_two_processes_train_like_one(one_process_reference, two_process_run):
     assert proc.stdout.count("step      8 | loss") == 1  # only process 0 logs
 
 
-def test_pipeline_stages_on_two_processes_train_like_one(one_process_reference, tmp_path):
-    """pp=2 is the outermost mesh axis, so each process holds one stage: the activations cross
-    between the processes (gloo), and both processes load the same rows (each stage embeds its data
-    shard's sequences). The losses are the one-process dp x fsdp run's."""
-    proc = _launch_local(tmp_path, "train.steps=8", mesh="pp=2,dp=2,fsdp=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
-
-
-def test_checkpoint_moves_from_two_processes_to_one(one_process_reference, tmp_path):
-    assert _launch_local(tmp_path, "train.steps=4").returncode == 0
-    train(tiny_config(*RUN, "train.steps=8", mesh=MESH), tmp_path)  # resumes at step 4, one process
-    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
-
-
-def test_checkpoint_moves_from_one_process_to_two(one_process_reference, tmp_path):
-    train(tiny_config(*RUN, "train.steps=4", mesh=MESH), tmp_path)
-    proc = _launch_local(tmp_path, "train.steps=8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resuming from step 4" in proc.stdout
-    np.testing.assert_allclose(train_losses(tmp_path), one_process_reference, rtol=0, atol=LOSS_ATOL)
-
-
 def _final_state(run_dir):
     """The newest checkpoint of a 2-process run, restored here on the same 8-device mesh."""
     return restore_run(run_dir, tiny_config(*RUN, mesh=MESH))[0]
@@ -159,16 +136,15 @@ def _start_two(run_dir) -> list[subprocess.Popen]:
     return procs
 
 
-def test_jobset_pods_start_from_the_environment_kubernetes_gives_them(one_process_reference, tmp_path):
+def _jobset_pods(run_root, *args: str) -> list[subprocess.CompletedProcess]:
     """The JobSet that `launch_multihost.sh --k8s` renders, run as Kubernetes would run its 2 pods:
     each process gets the container's command, args and env, with the downward-API fields resolved
     (JobSet's coordinator annotation, here this machine's address standing in for pod 0's DNS name;
     restart attempt 0), the Job controller's JOB_COMPLETION_INDEX and a pod's KUBERNETES_SERVICE_HOST,
-    and the volume at /runs. Nothing else is set: they find each other and train like one process,
-    without JAX's own Kubernetes detection (which would ask the Kubernetes API)."""
+    and the volume at /runs (run_root; the run dir is its jaxgpt/). Nothing else is set."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     rendered = subprocess.run(["bash", "launch_multihost.sh", "--k8s", "--dry-run", "--nodes", "2", "--gpus-per-node", "4",
-                               "--pvc", "runs", "--", "--mesh", MESH, *RUN, "train.steps=8"],
+                               "--pvc", "runs", "--", "--mesh", MESH, *RUN, *args],
                               cwd=REPO, env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     [rjob] = yaml.safe_load(rendered.stdout)["spec"]["replicatedJobs"]
@@ -181,13 +157,33 @@ def test_jobset_pods_start_from_the_environment_kubernetes_gives_them(one_proces
     pod_env["XLA_FLAGS"] += " " + xla_flags(4)  # 4 CPU devices stand in for a pod's GPUs
     pod_env.update(KUBERNETES_SERVICE_HOST="10.96.0.1", JAX_PLATFORMS="cpu", JAX_COORDINATOR_PORT=str(_free_port()))
     assert container["command"][0] == "python"
-    argv = [sys.executable, *container["command"][1:], *[a.replace("/runs", str(tmp_path)) for a in container["args"]]]
+    argv = [sys.executable, *container["command"][1:], *[a.replace("/runs", str(run_root)) for a in container["args"]]]
     procs = [subprocess.Popen(argv, cwd=REPO, env={**env, **pod_env, "JOB_COMPLETION_INDEX": str(i)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
-    assert not any("Kubernetes environment detected" in err for _, err in outs)
-    np.testing.assert_allclose(train_losses(tmp_path / "jaxgpt"), one_process_reference, rtol=0, atol=LOSS_ATOL)
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+
+
+def test_a_run_moves_between_two_processes_one_and_jobset_pods_and_trains_like_one(one_process_reference, tmp_path):
+    """One run, three ways of running it, each resuming the one before from its checkpoint:
+    steps 1-4 on 2 processes launched by launch_multihost.sh with pp=2 the outermost mesh axis, so
+    each process holds one stage (the activations cross between the processes over gloo, and both
+    processes load the same rows); steps 5-6 on one process (this one, dp x fsdp); steps 7-8 as the
+    2 pods of the JobSet that `launch_multihost.sh --k8s` renders, which find each other without
+    JAX's own Kubernetes detection (it would ask the Kubernetes API). Checkpoints move from 2
+    processes to 1 and back, and from a pipeline mesh to a flat one; every loss is the one-process
+    dp x fsdp run's."""
+    run_dir = tmp_path / "jaxgpt"  # where the JobSet's volume (/runs) puts its run
+    run_dir.mkdir()
+    proc = _launch_local(run_dir, "train.steps=4", mesh="pp=2,dp=2,fsdp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("step      4 | loss") == 1  # only process 0 logs
+    train(tiny_config(*RUN, "train.steps=6", "checkpoint.every=2", mesh=MESH), run_dir)  # resumes at step 4
+    pods = _jobset_pods(tmp_path, "train.steps=8", "checkpoint.every=2")
+    assert [p.returncode for p in pods] == [0, 0], pods[0].stderr[-3000:] + pods[1].stderr[-3000:]
+    assert not any("Kubernetes environment detected" in p.stderr for p in pods)
+    assert "resuming from step 6" in pods[0].stdout
+    np.testing.assert_allclose(train_losses(run_dir), one_process_reference, rtol=0, atol=LOSS_ATOL)
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
