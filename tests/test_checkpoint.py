@@ -55,6 +55,12 @@ def _logged_steps(run_dir: Path) -> int:
         return 0
 
 
+def _saves(run_dir: Path) -> set[str]:
+    """The temporary directories of the saves in progress (Orbax names each save's own)."""
+    d = run_dir / "checkpoints"
+    return {p.name for p in d.iterdir() if "tmp" in p.name} if d.is_dir() else set()
+
+
 def _committed(run_dir: Path, step: int) -> bool:
     return (run_dir / "checkpoints" / str(step) / "commit_success.txt").exists()
 
@@ -81,22 +87,19 @@ def test_sigkill_at_any_moment_then_resume_is_bit_identical(reference, tmp_path)
     restart resumes from the newest committed checkpoint, or starts again, and the run ends as the
     uninterrupted one: every loss and every metrics row (none twice, none missing) and the final
     parameters bit for bit."""
-    def new_save(names_before):  # a save's temporary directory that was not there when this process started
-        d = tmp_path / "checkpoints"
-        return lambda: d.is_dir() and any("tmp" in p.name and p.name not in names_before for p in d.iterdir())
-
-    moments = {"before the first checkpoint": lambda _: lambda: _logged_steps(tmp_path) >= 2,  # the step-0 eval row is written
+    moments = {"before the first checkpoint": lambda saves: _logged_steps(tmp_path) >= 2,  # the step-0 eval row is written
                # "after" means after the step-4 save is committed, not merely dispatched: on a busy
                # machine the async commit can trail the loop by several steps.
-               "after a checkpoint": lambda _: lambda: _committed(tmp_path, 4) and _logged_steps(tmp_path) >= 6,
-               "during a save": lambda before: lambda: _committed(tmp_path, 4) and new_save(before)(),
+               "after a checkpoint": lambda saves: _committed(tmp_path, 4) and _logged_steps(tmp_path) >= 6,
+               # a save this process started: its temporary directory, not one left by a killed one
+               "during a save": lambda saves: _committed(tmp_path, 4) and bool(_saves(tmp_path) - saves),
                # the run has still to wait for the save, write its end event and report: the re-run
                # has nothing to train, and step 12's eval row must be there already
-               "after the last checkpoint": lambda _: lambda: _committed(tmp_path, 12)}
+               "after the last checkpoint": lambda saves: _committed(tmp_path, 12)}
     for moment, when in moments.items():
-        before = {p.name for p in (tmp_path / "checkpoints").iterdir()} if (tmp_path / "checkpoints").is_dir() else set()
+        saves = _saves(tmp_path)
         proc = _start(tmp_path)
-        caught = _wait_for(when(before), proc)
+        caught = _wait_for(lambda: when(saves), proc)
         proc.send_signal(signal.SIGKILL)
         stdout, _ = proc.communicate()
         assert caught, f"the run ended before the kill point ({moment})"

@@ -164,7 +164,8 @@ def _jobset_pods(run_root, *args: str) -> list[subprocess.CompletedProcess]:
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
 
 
-def test_a_run_moves_between_two_processes_one_and_jobset_pods_and_trains_like_one(one_process_reference, tmp_path):
+def test_a_run_moves_between_two_processes_one_and_jobset_pods_and_trains_like_one(one_process_reference, tmp_path,
+                                                                                   capsys):
     """One run, three ways of running it, each resuming the one before from its checkpoint:
     steps 1-4 on 2 processes launched by launch_multihost.sh with pp=2 the outermost mesh axis, so
     each process holds one stage (the activations cross between the processes over gloo, and both
@@ -178,7 +179,8 @@ def test_a_run_moves_between_two_processes_one_and_jobset_pods_and_trains_like_o
     proc = _launch_local(run_dir, "train.steps=4", mesh="pp=2,dp=2,fsdp=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("step      4 | loss") == 1  # only process 0 logs
-    train(tiny_config(*RUN, "train.steps=6", "checkpoint.every=2", mesh=MESH), run_dir)  # resumes at step 4
+    train(tiny_config(*RUN, "train.steps=6", "checkpoint.every=2", mesh=MESH), run_dir)
+    assert "resuming from step 4" in capsys.readouterr().out
     pods = _jobset_pods(tmp_path, "train.steps=8", "checkpoint.every=2")
     assert [p.returncode for p in pods] == [0, 0], pods[0].stderr[-3000:] + pods[1].stderr[-3000:]
     assert not any("Kubernetes environment detected" in p.stderr for p in pods)
