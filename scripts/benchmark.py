@@ -55,7 +55,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxgpt import allocator, data, plan
+from jaxgpt import allocator, data, plan, tokenizer
 from jaxgpt.cli import ArgumentParser, run_main
 from jaxgpt.config import Config, help_text, load_config, validate
 from jaxgpt.errors import UserError
@@ -86,10 +86,10 @@ def benchmark(cfg: Config, steps: int, warmup: int, input_batches: int,
     turn, step by step (--alternate), without the input pipeline."""
     devices = distributed.ordered_devices()
     cfg = plan.resolve_remat(cfg, devices)[0]  # model.remat=auto, as in training
-    data_dir = data.resolve_data_dir(cfg.data.path)
-    sizes = validate(cfg, len(devices), data.load_meta(data_dir)["vocab_size"])
+    # data.path or data.mix, prepared with the config's data.tokenizer, checked as a run checks it
+    tokens, _, data_vocab, _ = data.open_splits(cfg.data.path, cfg.data.mix, tok=tokenizer.load(cfg.data.tokenizer))
+    sizes = validate(cfg, len(devices), data_vocab)
     cfg = fp8_choice.resolve(cfg, sizes, fp8_choice.target_of(devices[0]))[0]  # model.fp8=auto, as in training
-    tokens = data.load_split(data_dir, "train")
     t, m = cfg.train, cfg.model
     mesh = make_mesh(sizes, devices)
     if variants:

@@ -21,13 +21,25 @@ from jaxgpt.tokenizer import EOT_ID
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The tiny model's tokenizer: a byte-level BPE of 1,159 tokens trained on the bundled text
+# (qwen_tokenizer(dir, merges=900) below wrote it; <|endoftext|> is 1156). GPT-2's 50,257 tokens
+# would be ~90% of a tiny step's time (its head, its loss over 50,304 logits a position, its
+# table's gradient and AdamW); 1,159 still pads (to 1,280 rows) and still learns visibly in 5 steps.
+TINY_TOKENIZER = REPO / "tests" / "data" / "tiny-bpe" / "tokenizer.json"
+TINY_VOCAB, TINY_PADDED_VOCAB, TINY_EOT = 1159, 1280, 1156
+# A test whose property is GPT-2's vocabulary (its padding, its text, its tokenizer) adds these after TINY.
+GPT2_VOCAB = ["data.tokenizer=gpt2", "model.vocab_size=50257", f"model.document_token={EOT_ID}"]
+
 # Small enough to compile and step in seconds on 2 cores; every axis still divides by 2 (and 8).
 TINY = ["model.n_layer=2", "model.n_head=4", "model.n_embd=32", "model.seq_len=32",
         "train.batch_size=16", "train.eval_every=0", "logging.every=1", "optimizer.warmup_steps=2",
-        "model.loss_chunk=8"]  # the fused loss over 4 chunks in every layout (auto would take 1 here)
+        "model.loss_chunk=8",  # the fused loss over 4 chunks in every layout (auto would take 1 here)
+        f"data.tokenizer={TINY_TOKENIZER}", f"model.vocab_size={TINY_VOCAB}"]
+# model.document_mask splits windows at TINY_EOT (the default, 50256, is GPT-2's <|endoftext|>)
+TINY_DOCUMENTS = ["model.document_mask=true", f"model.document_token={TINY_EOT}"]
 
 
-def layer_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list[str]:
+def layer_loops(hlo: str, padded_vocab: int = TINY_PADDED_VOCAB, vocab: int = TINY_VOCAB) -> list[str]:
     """The while-loop bodies of the scanned layers: every loop but the fused loss's chunks, which
     are the ones with a vocabulary-sized dimension (the [V, D] embedding gradient they carry, the
     padded V or, where the loss takes the table's real rows on a CPU, the real one;
@@ -35,7 +47,7 @@ def layer_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list
     return [body for body in while_bodies(hlo) if not _has_vocab_dim(body, padded_vocab, vocab)]
 
 
-def loss_loops(hlo: str, padded_vocab: int = 50304, vocab: int = 50257) -> list[str]:
+def loss_loops(hlo: str, padded_vocab: int = TINY_PADDED_VOCAB, vocab: int = TINY_VOCAB) -> list[str]:
     return [body for body in while_bodies(hlo) if _has_vocab_dim(body, padded_vocab, vocab)]
 
 
@@ -90,11 +102,12 @@ def restore_run(run_dir: Path, cfg, devices=None):
     return restored, setup
 
 
-def packed_batch(seed: int = 0) -> np.ndarray:
-    """16 windows of 33 tokens with documents of random lengths (some windows hold one)."""
+def packed_batch(seed: int = 0, eot: int = TINY_EOT) -> np.ndarray:
+    """16 windows of 33 tokens of the tiny model's vocabulary with documents of random lengths (some
+    windows hold one) that begin with `eot` (pass EOT_ID for GPT-2's)."""
     rng = np.random.default_rng(seed)
-    batch = rng.integers(0, 50000, (16, 33)).astype(np.int32)
-    batch[rng.random((16, 33)) < 0.1] = EOT_ID
+    batch = rng.integers(0, TINY_EOT, (16, 33)).astype(np.int32)
+    batch[rng.random((16, 33)) < 0.1] = eot
     return batch
 
 

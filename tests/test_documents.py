@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import packed_batch, step_metrics, tiny_config
+from helpers import TINY_DOCUMENTS, TINY_EOT, TINY_VOCAB, packed_batch, step_metrics, tiny_config
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
@@ -21,18 +21,17 @@ from jaxgpt.model.documents import documents, window_stats
 from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.sample import generate, shard_params
 from jaxgpt.step import init_state, loss_fn, make_eval_step, make_setup
-from jaxgpt.tokenizer import EOT_ID
 
-MASK = ("model.document_mask=true",)
+MASK = tuple(TINY_DOCUMENTS)
 ROPE = (*MASK, "model.position=rope", "model.position_reset=true")
 LENGTHS = [9, 12, 11]  # three documents, each after the first begun by <|endoftext|>, in a T = 32 window
 
 
 def _window(seed: int = 0, lengths=LENGTHS) -> np.ndarray:
     """[1, sum(lengths)] tokens: documents of these lengths, each but the first led by <|endoftext|>."""
-    tokens = np.random.default_rng(seed).integers(0, 50000, sum(lengths)).astype(np.int32)
+    tokens = np.random.default_rng(seed).integers(0, TINY_EOT, sum(lengths)).astype(np.int32)
     for start in np.cumsum(lengths)[:-1]:
-        tokens[start] = EOT_ID
+        tokens[start] = TINY_EOT
     return tokens[None]
 
 
@@ -51,7 +50,7 @@ def _model(*overrides: str, seed: int = 0):
 
 def test_documents_start_at_the_separator_and_pack_for_cudnn():
     tokens = jnp.asarray(_window())
-    docs = documents(tokens)
+    docs = documents(tokens, separator=TINY_EOT)
     want = np.repeat([0, 9, 21], LENGTHS)
     np.testing.assert_array_equal(docs.start_BT[0], want)
     np.testing.assert_array_equal(docs.position_BT[0], np.arange(32) - want)
@@ -60,7 +59,7 @@ def test_documents_start_at_the_separator_and_pack_for_cudnn():
     np.testing.assert_array_equal(offsets[0], [0, 9, 21, -1, -1])
     lengths, offsets = packed_segments(docs.start_BT, 2)  # more documents than slots: the last ones as one
     np.testing.assert_array_equal(lengths[0], [9, 23])
-    stats = jax.device_get(window_stats(tokens))
+    stats = jax.device_get(window_stats(tokens, separator=TINY_EOT))
     assert stats["docs_per_window"] == 3
     hidden = sum(int(s) for s in want)  # query t loses keys 0 .. start[t] - 1
     assert stats["masked_pairs"] == pytest.approx(hidden / (32 * 33 / 2))
@@ -91,22 +90,22 @@ def test_no_gradient_reaches_another_documents_tokens(overrides):
 def test_a_packed_window_scores_each_document_as_if_alone():
     """Rotary positions restarting at each document: each document's per-token nats inside the packed
     window equal its nats run as a window of its own. Masked keys add exact zeros, so the two differ
-    only in the order of fp32 sums over 32 vs <= 12 keys and positions: a few ulps of the ~10.8 nats
-    per layer and in the head's logsumexp over 50k logits; measured exactly 0 on XLA:CPU (3 windows), and
+    only in the order of fp32 sums over 32 vs <= 12 keys and positions: a few ulps of the ~7 nats
+    per layer and in the head's logsumexp over 1,159 logits; measured exactly 0 on XLA:CPU (3 windows), and
     2e-5, a few ulps of the ~12 nats, allows another backend's summation order."""
     model = _model(*ROPE)[2]
     tokens = _window(1)
-    logp = jax.nn.log_softmax(model(tokens)[..., :50257], axis=-1)
+    logp = jax.nn.log_softmax(model(tokens)[..., :TINY_VOCAB], axis=-1)
     start = 0
     for n in LENGTHS:
         piece = tokens[:, start:start + n]
-        alone = jax.nn.log_softmax(model(_pad(piece))[..., :50257], axis=-1)
+        alone = jax.nn.log_softmax(model(_pad(piece))[..., :TINY_VOCAB], axis=-1)
         np.testing.assert_allclose(logp[0, start:start + n - 1][np.arange(n - 1), piece[0, 1:]],
                                    alone[0, :n - 1][np.arange(n - 1), piece[0, 1:]], rtol=0, atol=2e-5)
         start += n
     # without document masking the later documents do see the earlier ones
     unmasked = _model("model.position=rope")[2]
-    assert not np.allclose(unmasked(tokens)[0, 9:20, :50257], unmasked(tokens[:, 9:21])[0, :11, :50257], atol=1e-3)
+    assert not np.allclose(unmasked(tokens)[0, 9:20, :TINY_VOCAB], unmasked(tokens[:, 9:21])[0, :11, :TINY_VOCAB], atol=1e-3)
 
 
 def _pad(tokens_BT: np.ndarray, T: int = 32) -> np.ndarray:
@@ -128,7 +127,7 @@ def test_val_loss_and_bits_per_byte_agree_with_the_training_forward():
     nats = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits, axis=-1)), batch[:, 1:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(val["loss"], train_loss, rtol=1e-6)
     np.testing.assert_allclose(val["loss"], nats.mean(), rtol=1e-6)
-    np.testing.assert_allclose(val["text_nats"], nats[batch[:, 1:] != EOT_ID].sum(), rtol=1e-6)
+    np.testing.assert_allclose(val["text_nats"], nats[batch[:, 1:] != TINY_EOT].sum(), rtol=1e-6)
 
 
 def test_task_scorer_and_cached_sampling_mask_as_the_forward_does():
@@ -136,9 +135,9 @@ def test_task_scorer_and_cached_sampling_mask_as_the_forward_does():
     graphdef, params, model = _model(*ROPE)
     # the scorer on a dp x fsdp x tp mesh: sequences with a document boundary inside
     rng = np.random.default_rng(3)
-    sequences = [rng.integers(0, 50000, n).astype(np.int32) for n in (20, 33, 9, 27)]
+    sequences = [rng.integers(0, TINY_EOT, n).astype(np.int32) for n in (20, 33, 9, 27)]
     for seq in sequences:
-        seq[len(seq) // 3] = EOT_ID
+        seq[len(seq) // 3] = TINY_EOT
     sharded, mesh = shard_params(params, cfg, "dp=2,fsdp=2,tp=2")
     got = Scorer(graphdef, cfg.model, mesh, batch_rows=4).loglik(sharded, sequences, [4, 6, 2, 5])
     for seq, n, score in zip(sequences, [4, 6, 2, 5], got, strict=True):
@@ -146,7 +145,7 @@ def test_task_scorer_and_cached_sampling_mask_as_the_forward_does():
         np.testing.assert_allclose(score, sum(logp[t, seq[t + 1]] for t in range(len(seq) - 1 - n, len(seq) - 1)),
                                    rtol=2e-6)
     # KV-cached sampling from a prompt holding a boundary, then generating across one
-    prompt = np.asarray([[11, 22, EOT_ID, 33, 44], [EOT_ID, 5, 6, 7, 8]], np.int32)
+    prompt = np.asarray([[11, 22, TINY_EOT, 33, 44], [TINY_EOT, 5, 6, 7, 8]], np.int32)
     cached = np.stack(list(generate(graphdef, params, cfg, prompt, 12, temperature=0)), axis=1)
     seq = prompt
     for _ in range(12):
@@ -155,7 +154,7 @@ def test_task_scorer_and_cached_sampling_mask_as_the_forward_does():
     np.testing.assert_array_equal(cached, seq[:, 5:])
 
 
-# fp32 as in test_parallel.py: layouts reorder fp32 sums only, ~1e-6 per step on a loss of ~10.8.
+# fp32 as in test_parallel.py: layouts reorder fp32 sums only, ~1e-6 per step on a loss of ~10.8 (~7.1 here).
 LOSS_ATOL = 1e-4
 
 

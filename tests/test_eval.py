@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import read_metrics, run_cli, tiny_config
+from helpers import GPT2_VOCAB, read_metrics, run_cli, tiny_config
 
 from jaxgpt.evaluate import cli as eval_cli
 from jaxgpt.config import validate
@@ -60,7 +60,7 @@ def run(tmp_path_factory, shakespeare_dir):
     d = tmp_path_factory.mktemp("eval")
     spec = f"mc={_jsonl(d / 'mc.jsonl', GENERIC)},hs={_jsonl(d / 'hs.jsonl', HELLASWAG)}"
     cfg = tiny_config("train.steps=4", "train.eval_every=2", "checkpoint.every=2", "train.eval_batches=1",
-                      f"eval.tasks={spec}", "checkpoint.async_save=false")
+                      f"eval.tasks={spec}", "checkpoint.async_save=false", *GPT2_VOCAB)  # bpb of GPT-2's tokens
     train(cfg, d / "run")
     return d, cfg, spec
 
@@ -171,7 +171,7 @@ def _unigram_model(cfg, logits_V: np.ndarray) -> dict:
 
 
 def test_a_model_made_to_prefer_an_ending_scores_it_exactly(tmp_path):
-    cfg = tiny_config()
+    cfg = tiny_config(*GPT2_VOCAB)
     enc = gpt2_encoding()
     favoured = enc.encode(" Juliet")
     logits_V = np.zeros(cfg.model.vocab_size, np.float32)
@@ -207,7 +207,7 @@ def test_scores_equal_log_softmax_of_the_whole_logits_in_every_bucket():
     params = _random_params(cfg, 1)
     rng = np.random.default_rng(0)
     lengths = [3, 17, 33, 9, 16, 25, 2, 33, 12, 30, 5, 18]  # inputs of 2..32 positions: buckets 16 and 32
-    sequences = [rng.integers(0, 50257, n).astype(np.int32) for n in lengths]
+    sequences = [rng.integers(0, cfg.model.vocab_size, n).astype(np.int32) for n in lengths]
     continuation = [min(n - 1, k) for n, k in zip(lengths, rng.integers(1, 6, len(lengths)), strict=True)]
     sharded, mesh = shard_params(params, cfg, "dp=2,fsdp=2,tp=2")
     scorer = Scorer(graphdef, cfg.model, mesh, batch_rows=3)  # 4 rows per batch: several batches, padded
@@ -223,7 +223,7 @@ def test_scores_equal_log_softmax_of_the_whole_logits_in_every_bucket():
 
 
 def test_val_bpb_counts_the_bytes_of_the_text_the_labels_decode_to(shakespeare_dir):
-    cfg = tiny_config()
+    cfg = tiny_config(*GPT2_VOCAB)
     enc = gpt2_encoding()
     text = "Héllo, wörld! 日本語 ROMEO: «soft»<|endoftext|>A new document 🙂 " * 3
     batch_BT1 = np.resize(np.asarray(enc.encode(text, allowed_special="all"), np.int32), (16, 33))

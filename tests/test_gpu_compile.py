@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import pytest
-from helpers import REPO, TINY, script_module, tiny_config
+from helpers import GPT2_VOCAB, REPO, TINY, script_module
+from helpers import tiny_config as _tiny_config
 
 from jaxgpt import hlo
 from jaxgpt.config import load_config
@@ -32,6 +33,13 @@ from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_ope
                         gemm_layers, while_bodies)
 from jaxgpt.lowering import flash
 from jaxgpt.plan import Compiled, lower_step, plan
+
+
+def tiny_config(*overrides: str, mesh: str | None = None):
+    """The tests' tiny model with GPT-2's vocabulary: the compiled programs read here are the default
+    run's head, loss and table (50,257 rows padded to 50,304), not the small tokenizer's."""
+    return _tiny_config(*GPT2_VOCAB, *overrides, mesh=mesh)
+
 
 needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,
                                   reason=f"needs the CUDA plugin to compile for H100: {INSTALL}")
@@ -851,7 +859,7 @@ def test_fsdp_fp8_weight_gathers_move_half_the_bf16_bytes(compiled):
 def test_plan_command_for_8_h100():
     """The user's command: a plan from XLA:GPU with cuDNN attention, fitting an H100."""
     proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
-                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, "model.remat=auto", "model.fp8=true"],
+                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, *GPT2_VOCAB, "model.remat=auto", "model.fp8=true"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "cudart_stub" not in proc.stderr and "absl::InitializeLog" not in proc.stderr  # jaxgpt/_quiet.py

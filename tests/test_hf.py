@@ -15,7 +15,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO, read_metrics, run_cli, tiny_config
+from helpers import GPT2_VOCAB, REPO, read_metrics, run_cli
+from helpers import tiny_config as small_vocab_config
 from safetensors.numpy import save_file
 
 from jaxgpt.cli import EXIT_USER_ERROR
@@ -31,6 +32,13 @@ from jaxgpt.train import train
 # around 1e-6; 1e-4 is well clear of that yet far below any layout mistake (which moves logits by
 # O(0.1): a transposed head, a swapped q/k, a wrong GELU or eps all fail it).
 ATOL = 1e-4
+
+
+def tiny_config(*overrides: str, mesh: str | None = None):
+    """The tests' tiny model with GPT-2's vocabulary, which the Hugging Face files here carry
+    (GPT2LMHeadModel's 50,257 rows, its tokenizer files exported beside them); a test that only moves
+    weights through a run takes the small one (small_vocab_config)."""
+    return small_vocab_config(*GPT2_VOCAB, *overrides, mesh=mesh)
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +254,13 @@ def test_a_run_starts_from_exported_hf_weights(tmp_path, shakespeare_dir, arch, 
     """checkpoint.init_from_hf: the first step of a new run uses exactly the imported weights
     (Mixtral's experts split over ep)."""
     source = tmp_path / "source"
-    train(tiny_config("train.steps=3", *keys, mesh="dp=8"), source)
+    train(small_vocab_config("train.steps=3", *keys, mesh="dp=8"), source)
     export(source, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == arch
     run = tmp_path / "finetune"
-    state = train(tiny_config("train.steps=1", *keys, f"checkpoint.init_from_hf={tmp_path / 'hf'}",
-                              "optimizer.lr=1e-12", mesh=mesh), run)
-    want = load_dir(tmp_path / "hf", tiny_config(*keys).model)
+    state = train(small_vocab_config("train.steps=1", *keys, f"checkpoint.init_from_hf={tmp_path / 'hf'}",
+                                     "optimizer.lr=1e-12", mesh=mesh), run)
+    want = load_dir(tmp_path / "hf", small_vocab_config(*keys).model)
     got = functools.reduce(operator.getitem, weights, state.params)
     np.testing.assert_allclose(np.asarray(got), functools.reduce(operator.getitem, weights, want), atol=1e-9)
     assert int(state.step) == 1 and read_metrics(run)[-1]["step"] == 1

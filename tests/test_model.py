@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import lowering, tiny_config
+from helpers import GPT2_VOCAB, lowering, tiny_config
 
 from jaxgpt.config import load_config
 from jaxgpt.lowering.loss import chunk_positions, chunked_cross_entropy
@@ -26,7 +26,7 @@ def test_causality_through_gradients():
     cfg = tiny_config()
     model = _model(cfg)
     graphdef, params = nnx.split(model)
-    tokens_BT = jax.random.randint(jax.random.key(1), (2, cfg.model.seq_len), 0, 50257)
+    tokens_BT = jax.random.randint(jax.random.key(1), (2, cfg.model.seq_len), 0, cfg.model.vocab_size)
     T = cfg.model.seq_len
     for t in (0, 7, T - 2):
         def loss_at_t(params):
@@ -85,7 +85,7 @@ def test_bf16_compute_stays_close_to_fp32():
     """Parameters stay fp32; bf16 compute changes the initial loss only by bf16 rounding."""
     cfg = tiny_config()
     model = _model(cfg)
-    tokens_BT = jax.random.randint(jax.random.key(2), (2, 33), 0, 50257)
+    tokens_BT = jax.random.randint(jax.random.key(2), (2, 33), 0, cfg.model.vocab_size)
 
     def loss(dtype):
         logits = model(tokens_BT[:, :-1], dtype)
@@ -101,7 +101,7 @@ def test_chunked_loss_equals_whole_logits_autodiff(chunk, ops):
     the forward pass) or the reference form (jaxgpt/model/ops.py: each chunk recomputed), gives the
     loss and every gradient of optax's cross-entropy on the whole logits, differentiated by JAX;
     the padding rows of the tied embedding get no gradient there either. fp32: only the order of
-    sums differs (a loss of ~10.8, gradients of ~1e-2), so 1e-6 absolute."""
+    sums differs (a loss of ~7.1, gradients of ~1e-2), so 1e-6 absolute."""
     cfg = tiny_config(f"model.loss_chunk={chunk}")
     graphdef, params = nnx.split(_model(cfg, ops), nnx.Param)
     params = nnx.to_pure_dict(params)
@@ -129,7 +129,7 @@ def test_fused_loss_in_bf16_is_cross_entropy_of_the_bf16_logits():
     fp32's last bit at 16.6 (1.9e-6 measured); against the unrounded fp32 logits it moves by 7e-4,
     so rounding in the wrong place fails. The gradients carry e = exp(logits - max) rounded to bf16
     into their GEMMs: within bf16's unit roundoff in norm."""
-    cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16").model
+    cfg = tiny_config("model.n_embd=128", "model.seq_len=64", "model.loss_chunk=16", *GPT2_VOCAB).model
     ops = lowering(cfg, "tuned")
     keys = jax.random.split(jax.random.key(5), 3)
     x = jax.random.normal(keys[0], (4, 64, 128), jnp.float32)

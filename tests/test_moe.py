@@ -16,7 +16,7 @@ from flax import nnx
 from helpers import TINY, layer_loops, read_metrics, restore_run, run_cli, tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
-from jaxgpt import data
+from jaxgpt import data, tokenizer
 from jaxgpt.config import load_config, validate
 from jaxgpt.errors import UserError
 from jaxgpt.hlo import collectives
@@ -43,7 +43,7 @@ def _devices(layout: str):
 def batches(shakespeare_dir):
     """The first 5 batches train() feeds the tiny config (same data, seed and order)."""
     cfg = tiny_config()
-    tokens = data.open_splits(cfg.data.path, cfg.data.mix)[0]
+    tokens = data.open_splits(cfg.data.path, cfg.data.mix, tok=tokenizer.load(cfg.data.tokenizer))[0]
     it = data.train_iterator(tokens, seq_len=cfg.model.seq_len, global_batch=cfg.train.batch_size,
                              seed=cfg.train.seed, process_index=0, process_count=1)
     return [next(it) for _ in range(5)]
@@ -216,7 +216,7 @@ def test_cached_sampling_matches_full_recomputation():
     rng = np.random.default_rng(7)  # random weights of scale 0.3: the argmax is not a near-tie everywhere
     params = jax.tree.map(lambda s: jnp.asarray(0.3 * rng.standard_normal(s.shape), jnp.float32),
                           nnx.to_pure_dict(shapes))
-    prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (2, 5), 0, 50257), np.int32)
+    prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (2, 5), 0, cfg.model.vocab_size), np.int32)
     cached_BN = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 6, temperature=0)), axis=1)
     seq_BT = np.concatenate([prompt_BT, cached_BN[:, :-1]], axis=1)
     logits_BTV = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, seq_BT)

@@ -9,7 +9,7 @@ import sys
 
 import jax
 import pytest
-from helpers import REPO, TINY, run_cli, tiny_config
+from helpers import GPT2_VOCAB, REPO, TINY, run_cli, tiny_config
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.hlo import collective_bytes, collective_ops, gemm_counts, wire_bytes
@@ -19,14 +19,15 @@ from jaxgpt.plan import format_plan, plan
 
 @pytest.fixture(scope="module")
 def plans() -> dict[str, dict]:
-    return {layout: plan(tiny_config(mesh=layout), jax.devices()) for layout in ("dp=8", "fsdp=8")}
+    """The tiny model with GPT-2's vocabulary, whose table is most of its parameters (as in a real model's)."""
+    return {layout: plan(tiny_config(*GPT2_VOCAB, mesh=layout), jax.devices()) for layout in ("dp=8", "fsdp=8")}
 
 
 def test_fsdp_holds_an_eighth_of_what_dp_holds(plans):
     """fsdp=8 splits every parameter with a D dimension 8 ways; only the QKV and MLP-in biases (no D
     axis, 7D floats per layer) stay whole, which is far below 1% of the tiny model."""
     dp, fsdp = plans["dp=8"], plans["fsdp=8"]
-    assert dp["parameters"] == fsdp["parameters"] == param_count(tiny_config().model)
+    assert dp["parameters"] == fsdp["parameters"] == param_count(tiny_config(*GPT2_VOCAB).model)
     assert dp["state_bytes"]["parameters"] == 4 * dp["parameters"]  # fp32, replicated
     for part in ("parameters", "gradients", "optimizer_state"):
         assert fsdp["state_bytes"][part] == pytest.approx(dp["state_bytes"][part] / 8, rel=0.01), part

@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import TINY, read_metrics, run_cli, tiny_config
+from helpers import TINY, TINY_TOKENIZER, read_metrics, run_cli, tiny_config
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.train import train
@@ -93,8 +93,8 @@ def test_events_and_report(first_run):
     assert _row(report, "restarts") == "| restarts | 0 |" and _row(report, "preemptions") == "| preemptions | 0 |"
     assert "over 1 session" in _row(report, "wall time")
     assert _row(report, "data").startswith("| data | the bundled shakespeare (`")
-    assert _row(report, "data").endswith("`): gpt2 tokens, 301,966 train + 36,059 val |")
-    assert start["data_sources"][0]["train_tokens"] == 301_966
+    assert _row(report, "data").endswith(f"`): {TINY_TOKENIZER} tokens, 422,136 train + 50,760 val |")
+    assert start["data_sources"][0]["train_tokens"] == 422_136
     assert "| tokens/s |" in report and "MFU | n/a" in report and "Slow intervals" in report
 
     png = (first_run / "loss.png").read_bytes()

@@ -27,7 +27,7 @@ def _random_model(cfg):
 def test_cached_decoding_matches_full_recomputation():
     cfg = tiny_config()
     graphdef, params = _random_model(cfg)
-    prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (3, 5), 0, 50257), np.int32)
+    prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (3, 5), 0, cfg.model.vocab_size), np.int32)
     cached = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 20, temperature=0)), axis=1)
 
     forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
@@ -100,7 +100,7 @@ def test_sample_cli_bad_input(trained_run, capsys, monkeypatch):
     monkeypatch.setattr(plan, "host_memory_available", lambda: 24 * 2**30)  # as if every host said so
 
     for args, fragment in [
-        (["--prompt", " ".join("abcdefghijklmnopqrstuvwxyz" * 2)], "the prompt (52 tokens) is longer than the model's "
+        (["--prompt", " ".join("abcdefghijklmnopqrstuvwxyz" * 2)], "the prompt (58 tokens) is longer than the model's "
                                                                     "context of 32 tokens"),
         (["--mesh", "tp=3", "--max-new-tokens", "4"], "has 3 devices but 8"),
         (["--mesh", "pp=2,tp=4", "--max-new-tokens", "4"], "sampling does not pipeline (pp=2)"),
