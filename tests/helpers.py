@@ -102,12 +102,12 @@ def restore_run(run_dir: Path, cfg, devices=None):
     return restored, setup
 
 
-def packed_batch(seed: int = 0, eot: int = TINY_EOT) -> np.ndarray:
+def packed_batch(seed: int = 0) -> np.ndarray:
     """16 windows of 33 tokens of the tiny model's vocabulary with documents of random lengths (some
-    windows hold one) that begin with `eot` (pass EOT_ID for GPT-2's)."""
+    windows hold one), each begun by its <|endoftext|> (TINY_EOT)."""
     rng = np.random.default_rng(seed)
     batch = rng.integers(0, TINY_EOT, (16, 33)).astype(np.int32)
-    batch[rng.random((16, 33)) < 0.1] = eot
+    batch[rng.random((16, 33)) < 0.1] = TINY_EOT
     return batch
 
 

@@ -47,8 +47,7 @@ NOT_GUIDES = {"benchmarks.md", "design.md"}
 # compile), a checkpoint at the end only; the tokenizer the command or its config names (GPT-2's
 # by default, as users run them), not TINY's small one
 SIZE = dict(item.split("=", 1) for item in [*TINY, "train.grad_accum=1", "checkpoint.every=0"]
-            if item.split("=")[0] not in ("model.loss_chunk", "data.tokenizer", "model.vocab_size",
-                                          "model.document_token"))
+            if item.split("=")[0] not in ("model.loss_chunk", "data.tokenizer", "model.vocab_size"))
 STEPS = {"train.steps": 300}  # the default, divided by 100 where a command leaves it
 STEP_KEYS = {"train.steps", "checkpoint.every", "train.eval_every", "eval.task_every", "logging.every"}
 SIZED = {"jaxgpt.train", "jaxgpt.plan"}
