@@ -211,13 +211,14 @@ def _equations(jaxpr):
 @pytest.fixture(scope="module")
 def fp32_losses(tmp_path_factory, shakespeare_dir):
     run_dir = tmp_path_factory.mktemp("no-fp8")
+    # lr 3x the default: at 1e-3 the tiny vocabulary's loss fell 0.28 in 20 steps, under the 0.3 asked below
     train(tiny_config("train.steps=20", "optimizer.warmup_steps=5", "optimizer.lr=3e-3", mesh="dp=8"), run_dir)
     return train_losses(run_dir)
 
 
 def test_fp8_training_stays_close(fp32_losses, tmp_path):
     """20 steps of the tiny model with fp8 matmuls track the same run without: every loss within
-    1% (the loss falls ~5% over the run, so a broken fp8 path would show)."""
+    1% (the loss falls ~10% over the run, 7.06 -> 6.35, so a broken fp8 path would show)."""
     train(tiny_config("train.steps=20", "optimizer.warmup_steps=5", "optimizer.lr=3e-3", "model.fp8=true",
                       mesh="dp=8"), tmp_path)
     fp8 = train_losses(tmp_path)
