@@ -59,6 +59,12 @@ def tiny_config(*overrides: str, mesh: str | None = None):
     return load_config(None, [*TINY, *overrides], mesh)
 
 
+def gpt2_tiny_config(*overrides: str, mesh: str | None = None):
+    """The tiny model with GPT-2's vocabulary (50,257 rows padded to 50,304), for the files whose
+    property it is: the default run's compiled head, loss and table; GPT-2's Hugging Face files."""
+    return tiny_config(*GPT2_VOCAB, *overrides, mesh=mesh)
+
+
 def lowering(model_cfg, ops: str | None = None):
     """The lowering a one-device run of model_cfg takes (jaxgpt/lowering/), with model.ops=`ops` if given."""
     import dataclasses

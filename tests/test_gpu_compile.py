@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import pytest
 from helpers import GPT2_VOCAB, REPO, TINY, script_module
-from helpers import tiny_config as _tiny_config
+from helpers import gpt2_tiny_config as tiny_config  # the compiled programs read here are the default run's
 
 from jaxgpt import hlo
 from jaxgpt.config import load_config
@@ -33,12 +33,6 @@ from jaxgpt.hlo import (BLOCK_LINEARS, collective_ops, collectives, fp8_gemm_ope
                         gemm_layers, while_bodies)
 from jaxgpt.lowering import flash
 from jaxgpt.plan import Compiled, lower_step, plan
-
-
-def tiny_config(*overrides: str, mesh: str | None = None):
-    """The tests' tiny model with GPT-2's vocabulary: the compiled programs read here are the default
-    run's head, loss and table (50,257 rows padded to 50,304), not the small tokenizer's."""
-    return _tiny_config(*GPT2_VOCAB, *overrides, mesh=mesh)
 
 
 needs_plugin = pytest.mark.skipif(plugin_missing_reason() is not None,

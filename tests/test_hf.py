@@ -15,7 +15,10 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import GPT2_VOCAB, REPO, read_metrics, run_cli
+from helpers import REPO, read_metrics, run_cli
+# the Hugging Face files here carry GPT-2's vocabulary (GPT2LMHeadModel's 50,257 rows, its tokenizer
+# files exported beside them); a test that only moves weights through a run takes the small one
+from helpers import gpt2_tiny_config as tiny_config
 from helpers import tiny_config as small_vocab_config
 from safetensors.numpy import save_file
 
@@ -32,13 +35,6 @@ from jaxgpt.train import train
 # around 1e-6; 1e-4 is well clear of that yet far below any layout mistake (which moves logits by
 # O(0.1): a transposed head, a swapped q/k, a wrong GELU or eps all fail it).
 ATOL = 1e-4
-
-
-def tiny_config(*overrides: str, mesh: str | None = None):
-    """The tests' tiny model with GPT-2's vocabulary, which the Hugging Face files here carry
-    (GPT2LMHeadModel's 50,257 rows, its tokenizer files exported beside them); a test that only moves
-    weights through a run takes the small one (small_vocab_config)."""
-    return small_vocab_config(*GPT2_VOCAB, *overrides, mesh=mesh)
 
 
 @pytest.fixture(scope="module")
