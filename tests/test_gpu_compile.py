@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import pytest
-from helpers import GPT2_VOCAB, REPO, TINY, script_module
+from helpers import REPO, script_module
 from helpers import gpt2_tiny_config as tiny_config  # the compiled programs read here are the default run's
 
 from jaxgpt import hlo
@@ -851,34 +851,26 @@ def test_fsdp_fp8_weight_gathers_move_half_the_bf16_bytes(compiled):
 
 @needs_plugin
 def test_plan_command_for_8_h100():
-    """The user's command: a plan from XLA:GPU with cuDNN attention, fitting an H100."""
+    """The user's command: a plan from XLA:GPU with cuDNN attention and fp8, fitting an H100, for
+    gpt2-124m's shapes (one layer) under dp=2,fsdp=2,tp=2 with 32 sequences per device. XLA:GPU's
+    partitioner aborted the process there (a CHECK in ExpandDeviceGroupsWithIota, from
+    PartitionGather) on the token and label lookups from the vocab-split table inside the dp
+    shard_map; the tiny model's smaller batches took another gather strategy and compiled. Where
+    fsdp and tp are both > 1 the lookups now read the table whole (jaxgpt/lowering/ops.py
+    `Lowering.table_axes`). In a subprocess: an abort would end the test session."""
     proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
-                           "--mesh", "dp=2,fsdp=2,tp=2", *TINY, *GPT2_VOCAB, "model.remat=auto", "model.fp8=true"],
+                           "--config", "gpt2-124m", "--mesh", "dp=2,fsdp=2,tp=2", "model.n_layer=1",
+                           "train.grad_accum=4", "model.remat=auto", "model.fp8=true"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, proc.stderr[-2000:]
     assert "cudart_stub" not in proc.stderr and "absl::InitializeLog" not in proc.stderr  # jaxgpt/_quiet.py
     out = proc.stdout
     assert "on 8 gpu devices (NVIDIA H100 80GB HBM3)" in out and "compiled by XLA:GPU" in out
     assert "attention: cudnn" in out and "fused attention calls: 1 forward, 1 backward" in out
-    assert "GEMM calls: 12 fp8, 3 other\n" in out  # the blocks' 4 forward + 8 backward; the head's 3
+    assert "GEMM calls: 12 fp8, 3 other\n" in out  # the block's 4 forward + 8 backward; the head's 3
     assert "remat: none (auto: none, the least recompute that fits 79.1 GiB" in out
     assert f"of {device_memory_bytes('h100') / 2**20:,.1f} MiB: fits" in out
-    assert "reduce-scatter" in out
-
-
-@needs_plugin
-def test_gpt2_124m_under_dp_fsdp_tp_compiles_for_8_h100():
-    """gpt2-124m's shapes (one layer) under dp=2,fsdp=2,tp=2 with 32 sequences per device: XLA:GPU's
-    partitioner aborted the process (a CHECK in ExpandDeviceGroupsWithIota, from PartitionGather)
-    on the token and label lookups from the vocab-split table inside the dp shard_map; the tiny
-    model's smaller batches took another gather strategy and compiled. Where fsdp and tp are both
-    > 1 the lookups now read the table whole (jaxgpt/lowering/ops.py `Lowering.table_axes`). In a subprocess: an abort
-    would end the test session."""
-    proc = subprocess.run([sys.executable, "-m", "jaxgpt.plan", "--target", "h100", "--gpus", "8",
-                           "--config", "gpt2-124m", "--mesh", "dp=2,fsdp=2,tp=2", "model.n_layer=1",
-                           "train.grad_accum=4"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "predicted step time on NVIDIA H100" in proc.stdout
+    assert "reduce-scatter" in out and "predicted step time on NVIDIA H100" in out
 
 
 @needs_plugin
