@@ -30,10 +30,18 @@ def test_cached_decoding_matches_full_recomputation():
     prompt_BT = np.asarray(jax.random.randint(jax.random.key(1), (3, 5), 0, cfg.model.vocab_size), np.int32)
     cached = np.stack(list(generate(graphdef, params, cfg, prompt_BT, 20, temperature=0)), axis=1)
 
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+    # no cache: the whole sequence again for every new token, the model's last position read. Run
+    # at one shape (the context, zeros after the tokens, which causal attention never lets an
+    # earlier position see): one compile instead of one per length.
+    def forward(p, t_BT):
+        last = t_BT.shape[1] - 1
+        t_BT = np.pad(t_BT, ((0, 0), (0, cfg.model.seq_len - t_BT.shape[1])))
+        return _forward(p, t_BT)[:, last]
+
+    _forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     seq = prompt_BT
-    for _ in range(20):  # no cache: run the whole sequence again for every new token
-        seq = np.concatenate([seq, np.asarray(jnp.argmax(forward(params, seq)[:, -1], -1))[:, None]], axis=1)
+    for _ in range(20):
+        seq = np.concatenate([seq, np.asarray(jnp.argmax(forward(params, seq), -1))[:, None]], axis=1)
     np.testing.assert_array_equal(cached, seq[:, 5:])
 
     # past the context (32): cropped to its newest half whenever it is full, positions from 0 again
@@ -42,7 +50,7 @@ def test_cached_decoding_matches_full_recomputation():
     for _ in range(70):
         if seq.shape[1] - start > cfg.model.seq_len:
             start = seq.shape[1] - cfg.model.seq_len // 2
-        next_B = np.asarray(jnp.argmax(forward(params, seq[:, start:])[:, -1], -1))
+        next_B = np.asarray(jnp.argmax(forward(params, seq[:, start:]), -1))
         seq = np.concatenate([seq, next_B[:, None]], axis=1)
     np.testing.assert_array_equal(cached, seq[:, 5:])
 
