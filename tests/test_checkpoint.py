@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import REPO, TINY, read_metrics, restore_run, run_cli, tiny_config, train_losses
+from helpers import REPO, TINY, main_in_process, read_metrics, restore_run, run_cli, tiny_config, train_losses
 
 from jaxgpt.checkpoint import Checkpointer
 from jaxgpt.cli import EXIT_PREEMPTED, EXIT_USER_ERROR
@@ -336,7 +336,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_run_finishes(three_check
     before = _rows(three_checkpoints)
     (ckpts / "6" / "state" / "manifest.ocdbt").write_text("garbage")
     (ckpts / "8.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "checkpoint.every=2", "--mesh", "dp=8")
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "checkpoint.every=2", "--mesh", "dp=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
     assert len(lines) == 2, proc.stderr[-3000:]  # one line per skipped checkpoint, nothing else
@@ -426,7 +426,7 @@ def test_no_readable_checkpoint_is_an_error_not_a_fresh_start(three_checkpoints)
     with pytest.raises(UserError) as e:
         _restore(three_checkpoints)
     assert str(e.value) == line
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "--mesh", "dp=8")
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=6", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, f"error: {line}\n")
     assert sorted(p.name for p in ckpts.iterdir()) == ["2", "4", "6"]
 
@@ -460,7 +460,7 @@ def test_garbled_step_metadata_is_one_warning_and_the_step_still_restores(three_
 
 
 def test_changed_model_shape_names_the_key_or_lists_the_mismatches(three_checkpoints):
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} "
                                               f"does not fit the current config: model.n_layer 2 -> 3 (checkpoint -> "
                                               f"this run)\n")  # the key that changed, by name
@@ -556,7 +556,7 @@ def test_non_finite_restored_parameters_count_as_damage():
 def test_resuming_on_other_data_says_so(three_checkpoints):
     """A resume that reads other data (here another shuffle seed and batch size) is allowed, with
     one warning line naming the changes: the saved data position then counts another stream."""
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "checkpoint.every=2",
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "checkpoint.every=2",
                    "train.seed=7", "train.batch_size=32", "--mesh", "dp=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
@@ -571,7 +571,7 @@ def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints):
     """gelu -> relu2 or a logit soft cap fit the saved arrays, but the resumed run would train
     another model: refused in one line naming the keys, before config.yaml is rewritten."""
     config = (three_checkpoints / "config.yaml").read_text()
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "model.mlp=relu2",
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "model.mlp=relu2",
                    "model.logit_softcap=15", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, (
         f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} was trained as another model: model.mlp gelu -> "
@@ -579,7 +579,7 @@ def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints):
         f"start a new run dir from it with checkpoint.init_from={three_checkpoints}\n"))
     assert (three_checkpoints / "config.yaml").read_text() == config
     # the same model spelled otherwise (the defaults written out) resumes
-    proc = run_cli("--run-dir", str(three_checkpoints), *TINY, "train.steps=7", "model.mlp_hidden=128",
+    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=7", "model.mlp_hidden=128",
                    "model.n_kv_head=4", "model.rope_theta=99.0", "--mesh", "dp=8")
     assert proc.returncode == 0 and "resuming from step 6" in proc.stdout, proc.stderr[-3000:]
 

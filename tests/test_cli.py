@@ -14,12 +14,11 @@ import sys
 import time
 
 import pytest
-from helpers import REPO, TINY, read_metrics, run_cli
+from helpers import REPO, TINY, main_in_process, read_metrics, run_cli
 
 from jaxgpt import allocator
 from jaxgpt.cli import EXIT_DIVERGED, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USER_ERROR, INTERRUPTED, run_main
 from jaxgpt.config import load_config
-from jaxgpt.train import main as train_main
 
 
 def _assert_one_line_error(proc, *fragments: str, code: int = EXIT_USER_ERROR) -> None:
@@ -61,15 +60,10 @@ def empty_data_dir(tmp_path_factory, shakespeare_dir):
     (["--mesh", "pp=2,dp=4", "pipeline.microbatches=3"], ["pipeline.microbatches=3 is not a multiple of pp=2"]),
     (["--mesh", "pp=2,dp=4", "pipeline.repeat=2"], ["did you mean 'pipeline.repeats'"]),
 ])
-def test_bad_input_is_one_clear_line(args, fragments, tmp_path, capfd):
-    """In this process, through the command's own main() (each would otherwise pay an interpreter
-    and JAX's import, ~2.5 s on 2 cores): its exit code and what reaches fd 2. The same path
-    through a real process: test_empty_data_is_one_clear_line and the end-to-end run below."""
-    try:
-        code = train_main(["--run-dir", str(tmp_path / "run"), *args])
-    except SystemExit as e:  # argparse's own usage errors
-        code = e.code
-    _assert_one_line_error(subprocess.CompletedProcess(args, code, *capfd.readouterr()), *fragments)
+def test_bad_input_is_one_clear_line(args, fragments, tmp_path):
+    """Through the command's main() in this process (the same path through a real process:
+    test_empty_data_is_one_clear_line and the end-to-end run below)."""
+    _assert_one_line_error(main_in_process("--run-dir", str(tmp_path / "run"), *args), *fragments)
     assert not (tmp_path / "run").exists()  # nothing ran, nothing was left behind
 
 
