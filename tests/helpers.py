@@ -109,7 +109,9 @@ def main_in_process(*args: str, module: str = "jaxgpt.train") -> subprocess.Comp
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = importlib.import_module(module).main(list(args))
+            command = importlib.import_module(module)
+            main = getattr(command, "main", None) or importlib.import_module(f"{module}.cli").main  # jaxgpt.hf, jaxgpt.evaluate
+            code = main(list(args))
         except SystemExit as e:  # argparse's own usage errors and --help
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return subprocess.CompletedProcess([module, *args], code, out.getvalue(), err.getvalue())

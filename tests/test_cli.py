@@ -180,7 +180,7 @@ def test_non_finite_loss_stops_with_its_own_code(tmp_path):
 
 
 def test_help_lists_every_key():
-    proc = run_cli("--help")
+    proc = main_in_process("--help")
     assert proc.returncode == 0
     for key in ["model.n_layer", "model.seq_len", "train.batch_size", "train.grad_accum", "mesh.fsdp",
                 "optimizer.lr", "data.path", "logging.every"]:

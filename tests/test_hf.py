@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import REPO, read_metrics, run_cli
+from helpers import REPO, main_in_process, read_metrics, run_cli
 # the Hugging Face files here carry GPT-2's vocabulary (GPT2LMHeadModel's 50,257 rows, its tokenizer
 # files exported beside them); a test that only moves weights through a run takes the small one
 from helpers import gpt2_tiny_config as tiny_config
@@ -166,7 +166,7 @@ def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir, monkeypatch)
     _assert_tokenizer_is_jaxgpts(tmp_path / "hf")
     _assert_same_but_padding(load_dir(tmp_path / "hf", cfg.model), jax.device_get(state.params),
                              cfg.model.vocab_size)
-    proc = run_cli("check", str(tmp_path / "hf"), module="jaxgpt.hf")
+    proc = main_in_process("check", str(tmp_path / "hf"), module="jaxgpt.hf")
     assert proc.returncode == 0, proc.stderr
     assert "model.n_layer=2 model.n_head=4 model.n_embd=32 model.seq_len=32" in proc.stdout
 
@@ -186,7 +186,7 @@ def test_export_from_a_run_and_load_back(tmp_path, shakespeare_dir, monkeypatch)
         export(tmp_path / "run", tmp_path / "hf2")
     monkeypatch.undo()
     assert not (tmp_path / "hf2" / WEIGHTS).exists() and list((tmp_path / "hf2").glob(".jaxgpt-export-*"))
-    assert run_cli("check", str(tmp_path / "hf2"), module="jaxgpt.hf").returncode == EXIT_USER_ERROR
+    assert main_in_process("check", str(tmp_path / "hf2"), module="jaxgpt.hf").returncode == EXIT_USER_ERROR
     assert export(tmp_path / "run", tmp_path / "hf2") == 2
     assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == sorted(EXPORT_FILES)
     assert all((tmp_path / "hf2" / n).read_bytes() == (tmp_path / "hf" / n).read_bytes() for n in EXPORT_FILES)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import TINY, layer_loops, read_metrics, restore_run, run_cli, tiny_config, train_losses
+from helpers import TINY, layer_loops, main_in_process, read_metrics, restore_run, tiny_config, train_losses
 from test_parallel import LOSS_ATOL
 
 from jaxgpt import data, tokenizer
@@ -224,7 +224,7 @@ def test_cached_sampling_matches_full_recomputation():
 
 
 def test_hf_export_refuses_moe_in_one_line(ep_run, tmp_path):
-    proc = run_cli("export", str(ep_run), str(tmp_path / "hf"), module="jaxgpt.hf")
+    proc = main_in_process("export", str(ep_run), str(tmp_path / "hf"), module="jaxgpt.hf")
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Mixture-of-Experts" in proc.stderr, proc.stderr
 

@@ -9,7 +9,7 @@ import sys
 
 import jax
 import pytest
-from helpers import GPT2_VOCAB, REPO, TINY, run_cli, tiny_config
+from helpers import GPT2_VOCAB, REPO, TINY, main_in_process, run_cli, tiny_config
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.hlo import collective_bytes, collective_ops, gemm_counts, wire_bytes
@@ -120,7 +120,7 @@ def test_trip_count_from_the_condition_or_counted_once_with_a_warning():
 
 
 def test_plan_command_prints_the_plan():
-    proc = run_cli("--mesh", "dp=8", *TINY, module="jaxgpt.plan")
+    proc = main_in_process("--mesh", "dp=8", *TINY, module="jaxgpt.plan")
     assert proc.returncode == 0, proc.stderr
     assert f"parameters: {param_count(tiny_config().model):,}" in proc.stdout
     for link in ("PCIe 4 x16", "PCIe 5 x16", "NVLink 4", "InfiniBand 400 Gb/s"):
@@ -149,7 +149,7 @@ def test_the_memory_line_says_what_the_step_needs_of_what_a_device_has(plans):
 
 
 def test_plan_command_bad_mesh_is_one_line():
-    proc = run_cli("--mesh", "dp=3", *TINY, module="jaxgpt.plan")
+    proc = main_in_process("--mesh", "dp=3", *TINY, module="jaxgpt.plan")
     assert proc.returncode == EXIT_USER_ERROR
     assert "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [

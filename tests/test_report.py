@@ -17,7 +17,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import TINY, TINY_TOKENIZER, read_metrics, run_cli, tiny_config
+from helpers import TINY, TINY_TOKENIZER, main_in_process, read_metrics, run_cli, tiny_config
 
 from jaxgpt.cli import EXIT_USER_ERROR
 from jaxgpt.train import train
@@ -111,7 +111,7 @@ def test_report_command_regenerates_and_rejects_a_missing_dir(first_run, tmp_pat
     shutil.copytree(first_run, run_dir, ignore=shutil.ignore_patterns("checkpoints", "profile", "tb"))
     (run_dir / "report.md").unlink()
     (run_dir / "loss.png").unlink()
-    proc = run_cli(str(run_dir), module="jaxgpt.report")
+    proc = main_in_process(str(run_dir), module="jaxgpt.report")
     assert proc.returncode == 0, proc.stderr
     def body(path: Path) -> list[str]:  # all but the title and the run dir's path
         return path.read_text().splitlines()[3:]
@@ -119,7 +119,7 @@ def test_report_command_regenerates_and_rejects_a_missing_dir(first_run, tmp_pat
     assert body(run_dir / "report.md") == body(first_run / "report.md")
     assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
-    missing = run_cli(str(tmp_path / "nope"), module="jaxgpt.report")
+    missing = main_in_process(str(tmp_path / "nope"), module="jaxgpt.report")
     assert missing.returncode == EXIT_USER_ERROR and missing.stderr.strip().count("\n") == 0
     assert missing.stderr.startswith("error: ") and "does not exist" in missing.stderr
 
@@ -198,7 +198,7 @@ def test_profiling_turns_off_gpu_command_buffers_unless_the_user_set_them(monkey
 
 
 def test_bad_profile_steps_is_a_user_error(tmp_path):
-    proc = run_cli("--run-dir", str(tmp_path / "run"), *TINY, "logging.profile_steps=3")
+    proc = main_in_process("--run-dir", str(tmp_path / "run"), *TINY, "logging.profile_steps=3")
     assert proc.returncode == EXIT_USER_ERROR and proc.stderr.startswith("error: logging.profile_steps must be")
 
 

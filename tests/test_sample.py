@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import run_cli, tiny_config
+from helpers import main_in_process, run_cli, tiny_config
 
 from jaxgpt.model import GPT
 from jaxgpt.sample import filter_logits, generate
@@ -123,5 +123,5 @@ def test_sample_cli_bad_input(trained_run, capsys, monkeypatch):
 
 
 def test_sample_cli_missing_run(tmp_path):
-    proc = run_cli(str(tmp_path / "nothing"), module="jaxgpt.sample")
+    proc = main_in_process(str(tmp_path / "nothing"), module="jaxgpt.sample")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
