@@ -392,7 +392,8 @@ def _copies_and_in_loop(cfg, rows: int, fp32_grads: bool = False) -> tuple:
     graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(0), ops), nnx.Param)
     params, axes = nnx.to_pure_dict(state), param_logical_axes(state)
     batch_BT1 = jax.random.randint(jax.random.key(1), (rows, cfg.seq_len + 1), 0, cfg.vocab_size)
-    pre = copies_once_per_step(params["blocks"], axes["blocks"], ops, jnp.bfloat16, fp32_grads)
+    pre = jax.jit(lambda blocks: copies_once_per_step(blocks, axes["blocks"], ops, jnp.bfloat16, fp32_grads))(
+        params["blocks"])  # compiled, as the train step makes them (and one compile, not an eager op each)
 
     def loss(p, pre):
         return objective_fn(with_copies(p, pre, axes["blocks"]), graphdef, batch_BT1, cfg, jnp.bfloat16)[0]
