@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_VOCAB, read_metrics, restore_run, tiny_config, train_losses
+from helpers import TINY, TINY_VOCAB, qwen_tokenizer, read_metrics, restore_run, run_cli, tiny_config, train_losses
 
 from jaxgpt.config import validate
 from jaxgpt.errors import UserError
@@ -215,3 +215,16 @@ def test_checkpoint_moves_from_flat_mesh_into_a_circular_pipeline(single_device,
 def test_bad_pipeline_layouts_are_refused_before_compiling(overrides, mesh, message):
     with pytest.raises(UserError, match=message):
         validate(tiny_config(*overrides, mesh=mesh), 8)
+
+
+def test_a_small_vocabulary_under_pp_and_tp_evaluates(tmp_path):
+    """pp=2,dp=2,tp=2 with a 387-token tokenizer (its table padded to 512 rows): XLA:CPU's SPMD
+    partitioner aborted the process (a CHECK in spmd_partitioner_util.cc, no error line) compiling
+    the pipelined eval step, on the embedding lookup from the tp-split table inside the pp
+    shard_map. Under pp x tp the lowering now reads the table whole (Lowering.table_axes). The
+    real command, in a subprocess: an abort would end the test worker."""
+    tok = qwen_tokenizer(tmp_path / "tok", merges=128) / "tokenizer.json"
+    proc = run_cli("--run-dir", str(tmp_path / "run"), "--mesh", "pp=2,dp=2,tp=2", *TINY, "model.n_layer=4",
+                   "train.steps=1", "train.eval_every=1", f"data.tokenizer={tok}", "model.vocab_size=387")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "val_loss" in r] == [0, 1]

@@ -229,9 +229,11 @@ class Lowering(Ops):
     @property
     def table_axes(self) -> tuple:
         """How a [V, D] table is read: whole rows, V kept on tp (Megatron's vocab-parallel
-        embedding), except where fsdp and tp are both > 1: there XLA:GPU's partitioner aborted on
-        the lookup inside the train step's dp shard_map, so the table is read whole."""
-        return (None if self.fsdp and self.tp > 1 else "vocab", None)
+        embedding), except where tp > 1 meets fsdp or pp: there XLA's SPMD partitioner aborted the
+        process on the lookup inside a shard_map (XLA:GPU's under fsdp x tp, inside the train step's
+        dp one; XLA:CPU's under pp x tp, inside the pipelined eval step, for a 512-row table), so
+        the table is read whole."""
+        return (None if (self.fsdp or self.size("pp") > 1) and self.tp > 1 else "vocab", None)
 
     def lookup(self, table_VD, ids, dtype):
         """The table's rows for ids, in dtype (the embedding's and the loss's label rows)."""
