@@ -28,6 +28,7 @@ def test_causality_through_gradients():
     graphdef, params = nnx.split(model)
     tokens_BT = jax.random.randint(jax.random.key(1), (2, cfg.model.seq_len), 0, cfg.model.vocab_size)
     T = cfg.model.seq_len
+
     def loss_at_t(params, t):
         logits_BTV = nnx.merge(graphdef, params)(tokens_BT)
         return optax.softmax_cross_entropy_with_integer_labels(logits_BTV[:, t], tokens_BT[:, t + 1]).mean()

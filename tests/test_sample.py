@@ -33,12 +33,12 @@ def test_cached_decoding_matches_full_recomputation():
     # no cache: the whole sequence again for every new token, the model's last position read. Run
     # at one shape (the context, zeros after the tokens, which causal attention never lets an
     # earlier position see): one compile instead of one per length.
+    logits = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
+
     def forward(p, t_BT):
         last = t_BT.shape[1] - 1
-        t_BT = np.pad(t_BT, ((0, 0), (0, cfg.model.seq_len - t_BT.shape[1])))
-        return _forward(p, t_BT)[:, last]
+        return logits(p, np.pad(t_BT, ((0, 0), (0, cfg.model.seq_len - t_BT.shape[1]))))[:, last]
 
-    _forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))
     seq = prompt_BT
     for _ in range(20):
         seq = np.concatenate([seq, np.asarray(jnp.argmax(forward(params, seq), -1))[:, None]], axis=1)
