@@ -21,7 +21,6 @@ stderr must hold (errors.md shows its error lines this way); otherwise it must e
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import os
 import re
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from helpers import REPO, TINY, xla_flags
+from helpers import REPO, TINY, main_in_process, xla_flags
 
 from jaxgpt import cli
 
@@ -185,22 +184,12 @@ class Workspace:
             assert " ".join(tokens) in ci, (tokens, ci)
 
     def _module(self, module: str, args: list[str], env: dict[str, str]) -> tuple[int, str]:
-        args = sized(module, args)
-        try:
-            main = importlib.import_module(module).main
-        except AttributeError:  # a package with a cli module (jaxgpt.hf, jaxgpt.evaluate)
-            main = importlib.import_module(f"{module}.cli").main
-        out, err = io.StringIO(), io.StringIO()
         with self.mp.context() as mp:
             for key, value in env.items():
                 mp.setenv(key, value)
             mp.setattr(sys, "stdin", io.StringIO("Hello!\n"))  # an interactive command (sample --chat): one line, then EOF
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    rc = main(args)
-                except SystemExit as e:  # argparse: --help, or its own usage errors
-                    rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return rc, err.getvalue()
+            proc = main_in_process(*sized(module, args), module=module)
+        return proc.returncode, proc.stderr
 
     def _launch(self, args: list[str], env: dict[str, str]) -> tuple[int, str]:
         split = args.index("--") + 1 if "--" in args else len(args)
