@@ -281,14 +281,7 @@ class Checkpointer:
         if not stored:
             return
         now = config.to_dict()
-        try:  # typed, defaults filled: the model and the schedule compare by what the values mean
-            was = from_dict(stored, "the checkpoint's config")
-        except UserError:  # a hand-edited value: compared by key below only
-            was = None
-        if was is not None and (changed := _model_changes(was.model, config.model)):
-            raise UserError(f"checkpoint {where} was trained as another model: {', '.join(changed)} "
-                            f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
-                            f"from it with checkpoint.init_from={self.directory.parent}")
+        was = self._same_model(stored, config, where)
         changed = _changed(stored, now, ROUTING_KEYS) if config.model.moe_experts else []
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {where} -> this run): the run continues "
@@ -308,6 +301,41 @@ class Checkpointer:
         if changed:
             _warn(f"{', '.join(changed)} (checkpoint {where} -> this run): the data iterator "
                   f"resumes at its saved position in the new data, not the same stream")
+
+    def _same_model(self, stored: dict, config: Config, where: Path) -> Config | None:
+        """The saved config, typed (None where a hand-edited value does not type); a UserError if
+        it is another model than `config`'s."""
+        try:  # typed, defaults filled: the model and the schedule compare by what the values mean
+            was = from_dict(stored, "the checkpoint's config")
+        except UserError:  # a hand-edited value: compared by key only
+            return None
+        if changed := _model_changes(was.model, config.model):
+            raise UserError(f"checkpoint {where} was trained as another model: {', '.join(changed)} "
+                            f"(checkpoint -> this run); resume with the checkpoint's values, or start a new run dir "
+                            f"from it with checkpoint.init_from={self.directory.parent}")
+        return was
+
+    def check_resumable(self, abstract: TrainState, config: Config) -> None:
+        """Before the step is compiled: the newest committed step whose metadata reads is refused as
+        its restore would refuse it (other shapes: the keys that changed; another model), so a run
+        that cannot resume says so in seconds, not after a compile. Damage (no commit marker,
+        unreadable metadata or arrays) is left to the restore, which skips it."""
+        self.manager.reload()
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            if not (self.step_path(step) / COMMIT_MARKER).exists():
+                continue
+            with held_stderr():  # a damaged step's read noise, as the restore holds it
+                try:
+                    stored = self.manager.item_metadata(step)["state"]
+                except Exception:  # noqa: BLE001 - damage: the restore says so
+                    continue
+            if stored is None:
+                continue
+            if mismatches := _shape_mismatches(abstract, stored):
+                raise UserError(self._mismatch_message(step, mismatches, config))
+            if saved := self.stored_config(step):
+                self._same_model(saved, config, self.step_path(step))
+            return
 
     def remove_unfinished(self) -> None:
         """Deletes this directory's half-written saves (what a resume does; `_remove_unfinished`)."""

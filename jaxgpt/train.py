@@ -221,11 +221,18 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
             batch_sharding, x, (t.batch_size, *x.shape[1:])), local_BT1)
 
     stop = StopRequest()  # from here SIGTERM or Ctrl-C stops the run after its first step, compiling included
+    ckpt = None
     try:
         with jax.set_mesh(mesh):
             setup = make_setup(cfg, mesh)
             abstract, abstract_batch = abstract_inputs(cfg, mesh, setup)  # restore targets, ahead-of-time compile
             train_step = make_train_step(cfg, mesh, setup)
+            # A checkpoint this run cannot resume (other shapes, another model) is refused before
+            # the compile; a run dir without checkpoints gets none made here (a refused run leaves
+            # nothing). The local tier's steps are checked as they are restored.
+            ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint) if (run_dir / "checkpoints").is_dir() else None
+            if ckpt is not None:
+                ckpt.check_resumable(abstract, cfg)
             # Before anything is written: a run too big for its devices is one line, not the OOM
             # killer (a CPU host) or XLA's RESOURCE_EXHAUSTED at the first step (a GPU).
             phases.enter("compile")  # where a memory limit is known, the step is compiled here, ahead
@@ -233,10 +240,12 @@ def _train(cfg: Config, run_dir: Path, devices: list[jax.Device], sizes: dict[st
                          floor=activation_floor(cfg, sizes))
             phases.enter("startup")
         track = Tracker(cfg, run_dir, enabled=pid == 0, started=started)
-        ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+        ckpt = ckpt or Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
         local = local_tier.LocalTier(cfg, run_dir, sizes) if cfg.checkpoint.local_every else None
     except BaseException:
         stop.close()
+        if ckpt is not None:
+            ckpt.close()
         raise
     session = None
     try:

@@ -459,7 +459,14 @@ def test_garbled_step_metadata_is_one_warning_and_the_step_still_restores(three_
     assert "Failed to json parse" not in err + caplog.text
 
 
-def test_changed_model_shape_names_the_key_or_lists_the_mismatches(three_checkpoints):
+def _no_compile(monkeypatch) -> None:
+    """A refusal that must come before the train step is compiled: compiling fails the test."""
+    import jaxgpt.train
+    monkeypatch.setattr(jaxgpt.train, "check_memory", lambda *a, **k: pytest.fail("compiled before refusing"))
+
+
+def test_changed_model_shape_names_the_key_or_lists_the_mismatches(three_checkpoints, monkeypatch):
+    _no_compile(monkeypatch)  # refused before compiling
     proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "model.n_layer=3", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} "
                                               f"does not fit the current config: model.n_layer 2 -> 3 (checkpoint -> "
@@ -567,12 +574,15 @@ def test_resuming_on_other_data_says_so(three_checkpoints):
                                   f"-> this run): the learning-rate schedule is recomputed; step 7 trains at "), warnings[0]
 
 
-def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints):
+def test_a_model_change_that_keeps_the_shapes_is_refused(three_checkpoints, monkeypatch):
     """gelu -> relu2 or a logit soft cap fit the saved arrays, but the resumed run would train
-    another model: refused in one line naming the keys, before config.yaml is rewritten."""
+    another model: refused in one line naming the keys, before the step is compiled and before
+    config.yaml is rewritten."""
     config = (three_checkpoints / "config.yaml").read_text()
-    proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "model.mlp=relu2",
-                   "model.logit_softcap=15", "--mesh", "dp=8")
+    with monkeypatch.context() as patched:
+        _no_compile(patched)
+        proc = main_in_process("--run-dir", str(three_checkpoints), *TINY, "train.steps=8", "model.mlp=relu2",
+                               "model.logit_softcap=15", "--mesh", "dp=8")
     assert (proc.returncode, proc.stderr) == (EXIT_USER_ERROR, (
         f"error: checkpoint {three_checkpoints / 'checkpoints' / '6'} was trained as another model: model.mlp gelu -> "
         f"relu2, model.logit_softcap 0.0 -> 15.0 (checkpoint -> this run); resume with the checkpoint's values, or "
