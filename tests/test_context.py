@@ -84,8 +84,9 @@ def test_capacity_dispatch_under_cp_is_refused_in_one_line():
 
 def test_compiled_step_gathers_keys_and_splits_the_scores():
     """cp=2: every layer all-gathers over cp (K and V) and its attention scores are [b, H, T/2, T]
-    per device (the queries split, the keys whole), never [b, H, T, T]."""
-    cfg = tiny_config(mesh="dp=4,cp=2")
+    per device (the queries split, the keys whole), never [b, H, T, T]. The layout matrix's first
+    entry, whose compiled step this reads (compiled once: tests/conftest.py)."""
+    cfg = tiny_config("model.n_layer=4", mesh="cp=2,dp=4")
     mesh = make_mesh(validate(cfg, 8))
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)

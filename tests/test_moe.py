@@ -75,8 +75,11 @@ def ep_run(tmp_path_factory, shakespeare_dir):
     """dp=2 x ep=4, 5 steps of 2 micro-batches (each dp shard sums its own gradients and metrics),
     a checkpoint at the end (also the checkpoint test's source)."""
     run_dir = tmp_path_factory.mktemp("moe-dp2-ep4")
-    train(tiny_config("train.steps=5", "checkpoint.every=5", "train.grad_accum=2", *MOE, mesh="dp=2,ep=4"), run_dir)
+    train(tiny_config(*EP_RUN, mesh="dp=2,ep=4"), run_dir)
     return run_dir
+
+
+EP_RUN = ("train.steps=5", "checkpoint.every=5", "train.grad_accum=2", *MOE)
 
 
 def test_dp_ep_matches_single_device_and_logs_moe_metrics(ep_run, single_device_losses):
@@ -143,7 +146,8 @@ def test_routing_drops_and_losses_match_numpy(factor):
 
 @pytest.fixture(scope="module")
 def ep_state():
-    cfg = tiny_config(*MOE, mesh="dp=2,ep=4")
+    """ep_run's config and layout: its train step, compiled once for both (tests/conftest.py)."""
+    cfg = tiny_config(*EP_RUN, mesh="dp=2,ep=4")
     mesh = make_mesh(validate(cfg, 8))
     with jax.set_mesh(mesh):
         setup = make_setup(cfg, mesh)

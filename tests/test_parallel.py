@@ -23,6 +23,7 @@ LAYOUTS = ["dp=8", "fsdp=8", "dp=4,tp=2", "dp=2,fsdp=2,tp=2", "dp=2,ep=4"]  # ep
 # 8 shards instead of one, a matmul split in two and added), which moved a loss of ~10.8 (GPT-2's
 # vocabulary; the tiny one's starts at ~7.1) by about 1e-6 per step; after 5 AdamW steps we allow 1e-4 absolute, far below the ~0.1 a step moves it.
 LOSS_ATOL = 1e-4
+STEPS = "train.steps=5"
 
 
 def _in_gemm(cfg, sizes: dict[str, int]) -> bool:
@@ -35,7 +36,7 @@ def _in_gemm(cfg, sizes: dict[str, int]) -> bool:
 def single_device_losses(tmp_path_factory, shakespeare_dir):
     """One device, the reference forms (jaxgpt/model/ops.py: model.ops=reference): the maths."""
     run_dir = tmp_path_factory.mktemp("single")
-    train(tiny_config("train.steps=5", "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
+    train(tiny_config(STEPS, "model.ops=reference", mesh="dp=1"), run_dir, devices=jax.devices()[:1])
     return train_losses(run_dir)
 
 
@@ -43,7 +44,7 @@ def single_device_losses(tmp_path_factory, shakespeare_dir):
 def test_layout_matches_single_device(layout, ops, single_device_losses, tmp_path):
     """Every layout in the default form (model.ops=auto: tuned on this CPU, jaxgpt/lowering/)
     trains to the reference forms' one-device losses, and so does the reference on a 3D layout."""
-    train(tiny_config("train.steps=5", f"model.ops={ops}", mesh=layout), tmp_path)
+    train(tiny_config(STEPS, f"model.ops={ops}", mesh=layout), tmp_path)
     losses = train_losses(tmp_path)
     assert len(losses) == 5
     assert single_device_losses[-1] < single_device_losses[0] - 0.05, "the model should be learning"
@@ -154,7 +155,9 @@ def test_logical_axes_cannot_reuse_a_mesh_axis():
 
 
 def _compiled_hlo(layout: str, *overrides: str) -> str:
-    cfg, mesh, setup, state, step = _state_and_step(layout, *overrides)
+    # the parity matrix's 5 steps: where the layout is one it trains, its compiled step is reused
+    # (tests/conftest.py) instead of compiled again for another learning-rate schedule
+    cfg, mesh, setup, state, step = _state_and_step(layout, STEPS, *overrides)
     batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
                                  sharding=named(mesh, ("batch", None)))
     with jax.set_mesh(mesh):
