@@ -47,16 +47,17 @@ def test_vocab_padding_gets_no_probability_and_no_gradient():
     V, Vp = cfg.model.vocab_size, cfg.model.padded_vocab
     assert Vp % 128 == 0 and Vp - 128 < V <= Vp
     tokens_BT = jnp.arange(2 * 16).reshape(2, 16)
-    probs_BTV = jax.nn.softmax(model(tokens_BT), axis=-1)
+    graphdef, params = nnx.split(model)
+    # jitted, as a run computes them: one compile, not one per operation
+    probs_BTV = jax.jit(lambda params: jax.nn.softmax(nnx.merge(graphdef, params)(tokens_BT), axis=-1))(params)
     assert float(probs_BTV[..., V:].max()) == 0.0
     np.testing.assert_allclose(np.asarray(probs_BTV[..., :V].sum(-1)), 1.0, rtol=1e-5)
-    graphdef, params = nnx.split(model)
 
     def loss(params):
         logits = nnx.merge(graphdef, params)(tokens_BT[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BT[:, 1:]).mean()
 
-    g_wte_VD = jax.grad(loss)(params)["wte"][...]
+    g_wte_VD = jax.jit(jax.grad(loss))(params)["wte"][...]
     assert float(jnp.abs(g_wte_VD[V:]).max()) == 0.0  # padding rows never learn
 
 
