@@ -158,20 +158,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the quick tier (tests/conftest.py QUICK): `python -m pytest -m quick`")
 
 
-# The files in the order the workers take them (pyproject.toml: --dist loadfile, with xdist's
-# reordering by test count off): the longest first (--durations on 2 cores, stop 68), so the short
-# ones fill the end and neither worker sits idle while the other finishes a long file. Files not
-# named follow in collection order; a stale entry costs only balance.
-LONGEST_FIRST = ["test_gpu_compile.py", "test_multihost.py", "test_pipeline.py", "test_docs.py", "test_kernels.py",
-                 "test_checkpoint.py", "test_parallel.py", "test_context.py", "test_moe_dropless.py", "test_hf.py",
-                 "test_moe.py", "test_modern.py", "test_sft.py", "test_plan.py", "test_cli.py", "test_report.py",
-                 "test_model.py", "test_ops.py", "test_documents.py", "test_eval.py", "test_search.py"]
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         file, _, name = item.nodeid.removeprefix("tests/").partition("::")
         if any(q in (file, f"{file}::{name}", f"{file}::{name.split('[')[0]}") for q in QUICK):
             item.add_marker(pytest.mark.quick)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.removeprefix("tests/").partition("::")[0], len(rank)))
