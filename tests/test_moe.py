@@ -70,6 +70,10 @@ def single_device_losses(batches):
     return _step_losses("dp=1", batches, "model.ops=reference")
 
 
+# ep_run's config: also ep_state's, so both use one compiled step (tests/conftest.py)
+EP_RUN = ("train.steps=5", "checkpoint.every=5", "train.grad_accum=2", *MOE)
+
+
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory, shakespeare_dir):
     """dp=2 x ep=4, 5 steps of 2 micro-batches (each dp shard sums its own gradients and metrics),
@@ -77,9 +81,6 @@ def ep_run(tmp_path_factory, shakespeare_dir):
     run_dir = tmp_path_factory.mktemp("moe-dp2-ep4")
     train(tiny_config(*EP_RUN, mesh="dp=2,ep=4"), run_dir)
     return run_dir
-
-
-EP_RUN = ("train.steps=5", "checkpoint.every=5", "train.grad_accum=2", *MOE)
 
 
 def test_dp_ep_matches_single_device_and_logs_moe_metrics(ep_run, single_device_losses):
