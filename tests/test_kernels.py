@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import GPT2_VOCAB, TINY_VOCAB, lowering, run_cli, tiny_config, train_losses
+from helpers import GPT2_VOCAB, lowering, run_cli, tiny_config, train_losses
 from jax.sharding import PartitionSpec as P
 
 from jaxgpt.config import validate
@@ -18,8 +18,7 @@ from jaxgpt.lowering.attention import (causal_attention, cudnn_unavailable_reaso
                                        reference_attention, select_kernel)
 from jaxgpt.lowering.fp8 import E4M3, E5M2, fp8_einsum, power_of_two_scale, quantize
 from jaxgpt.model.documents import documents
-from jaxgpt.parallel.mesh import make_mesh, named
-from jaxgpt.step import init_state, make_setup, make_train_step
+from jaxgpt.parallel.mesh import make_mesh
 from jaxgpt.tokenizer import EOT_ID
 from jaxgpt.train import train
 
@@ -281,30 +280,6 @@ def test_fp8_under_a_3d_mesh_matches_one_device(tmp_path):
         losses[layout] = train_losses(run_dir)
     for layout in ("dp=2,fsdp=2,tp=2", "pp=2,dp=2,tp=2"):  # pp: each stage scales its own layers' tensors
         np.testing.assert_allclose(losses[layout], losses["dp=1"], rtol=0, atol=1e-3, err_msg=layout)
-
-
-def _temp_bytes_and_loss(remat: str) -> tuple[int, float]:
-    cfg = tiny_config(f"model.remat={remat}", "model.n_layer=4", "model.seq_len=64", "train.batch_size=32",
-                      mesh="dp=8")
-    mesh = make_mesh(validate(cfg, 8))
-    with jax.set_mesh(mesh):
-        setup = make_setup(cfg, mesh)
-        state = init_state(cfg, setup)
-        step = make_train_step(cfg, mesh, setup)
-        batch = jax.device_put(jax.random.randint(jax.random.key(0), (32, 65), 0, TINY_VOCAB), named(mesh, ("batch", None)))
-        temp = step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
-        _, metrics = step(state, batch)
-    return temp, float(metrics["loss"])
-
-
-def test_remat_lowers_temp_memory_without_changing_the_loss():
-    none_temp, none_loss = _temp_bytes_and_loss("none")
-    full_temp, full_loss = _temp_bytes_and_loss("full")
-    dots_temp, dots_loss = _temp_bytes_and_loss("dots")
-    attention_temp, attention_loss = _temp_bytes_and_loss("attention")  # the XLA attention here: recomputed as full
-    assert full_temp < none_temp and dots_temp <= none_temp and attention_temp < none_temp
-    for loss in (full_loss, dots_loss, attention_loss):
-        assert loss == pytest.approx(none_loss, abs=1e-5)
 
 
 def test_gelu_backward_recomputes_the_autodiff_gradient():

@@ -8,7 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_PADDED_VOCAB, layer_loops, loss_loops, tiny_config, train_losses
+from helpers import TINY_PADDED_VOCAB, TINY_VOCAB, layer_loops, loss_loops, tiny_config, train_losses
 
 from jaxgpt.config import validate
 from jaxgpt.lowering import choose
@@ -87,6 +87,10 @@ def test_gradients_summed_in_their_gemms_train_as_the_stacked_sums(tmp_path):
         assert not _in_gemm(tiny_config(*unrolled, *other), sizes), (other, sizes)
 
 
+# bf16, unrolled, 2 micro-batches on dp=8: the remat checks' step (each policy compiled once for both)
+REMAT = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
+
+
 def test_remat_dots_runs_no_gemm_of_the_summed_gradients_again():
     """bf16, unrolled, 2 micro-batches on dp=8: the block linears' GEMMs that sum their weight
     gradients in place are custom VJPs (jaxgpt/lowering/linear.py `_precast_einsum`), and remat=dots and
@@ -94,10 +98,9 @@ def test_remat_dots_runs_no_gemm_of_the_summed_gradients_again():
     forward rule). The compiled step holds as many dots under remat=dots as under none, and under
     dots_no_batch two more per layer: the XLA attention's batched einsums (a CPU's), which that
     policy does not keep. remat=full, which runs every block's forward again, holds more still."""
-    overrides = ("train.grad_accum=2", "model.dtype=bfloat16", "model.scan_layers=false")
-    cfg = tiny_config(*overrides, "model.remat=dots")
+    cfg = tiny_config(*REMAT, "model.remat=dots")
     assert _in_gemm(cfg, {"dp": 8})
-    dots = {remat: len(re.findall(r" dot\(", _compiled_hlo("dp=8", *overrides, f"model.remat={remat}")))
+    dots = {remat: len(re.findall(r" dot\(", _compiled_hlo("dp=8", *REMAT, f"model.remat={remat}")))
             for remat in ("none", "dots", "dots_no_batch", "full")}
     assert dots["none"] > 0 and dots["dots"] == dots["none"], dots
     assert dots["dots_no_batch"] == dots["none"] + 2 * cfg.model.n_layer < dots["full"], dots
@@ -154,14 +157,40 @@ def test_logical_axes_cannot_reuse_a_mesh_axis():
         logical_to_spec(("batch", "embed"))
 
 
+_COMPILED: dict[tuple[str, ...], tuple] = {}
+
+
+def _compiled(layout: str, *overrides: str) -> tuple:
+    """(mesh, initial state, compiled step) of the layout, traced and compiled once in this module.
+    The parity matrix's 5 steps: where the layout is one it trains, its compiled step is reused
+    (tests/conftest.py) instead of compiled again for another learning-rate schedule."""
+    if (layout, *overrides) not in _COMPILED:
+        cfg, mesh, setup, state, step = _state_and_step(layout, STEPS, *overrides)
+        batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
+                                     sharding=named(mesh, ("batch", None)))
+        with jax.set_mesh(mesh):
+            _COMPILED[(layout, *overrides)] = mesh, state, step.lower(state, batch).compile()
+    return _COMPILED[(layout, *overrides)]
+
+
 def _compiled_hlo(layout: str, *overrides: str) -> str:
-    # the parity matrix's 5 steps: where the layout is one it trains, its compiled step is reused
-    # (tests/conftest.py) instead of compiled again for another learning-rate schedule
-    cfg, mesh, setup, state, step = _state_and_step(layout, STEPS, *overrides)
-    batch = jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32,
-                                 sharding=named(mesh, ("batch", None)))
-    with jax.set_mesh(mesh):
-        return step.lower(state, batch).compile().as_text()
+    return _compiled(layout, *overrides)[2].as_text()
+
+
+def test_remat_lowers_temp_memory_without_changing_the_loss():
+    """XLA's memory analysis of the remat checks' step: every policy that recomputes keeps fewer
+    temporaries than none (full and attention, which the XLA attention of a CPU recomputes as
+    full, less), and the first step's loss is the same under each."""
+    temp, loss = {}, {}
+    for remat in ("none", "full", "dots", "attention"):
+        mesh, state, step = _compiled("dp=8", *REMAT, f"model.remat={remat}")
+        batch = np.random.default_rng(0).integers(0, TINY_VOCAB, (16, 33)).astype(np.int32)
+        with jax.set_mesh(mesh):  # on a copy: the step donates its state
+            _, metrics = step(jax.tree.map(lambda x: x.copy(), state), jax.device_put(batch, named(mesh, ("batch", None))))
+        temp[remat], loss[remat] = step.memory_analysis().temp_size_in_bytes, float(metrics["loss"])
+    assert temp["full"] < temp["none"] and temp["dots"] <= temp["none"] and temp["attention"] < temp["none"], temp
+    for remat in ("full", "dots", "attention"):
+        assert loss[remat] == pytest.approx(loss["none"], abs=1e-5), loss
 
 
 def test_dp_collectives():
