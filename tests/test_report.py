@@ -173,9 +173,10 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch, shakespeare_dir):
 
     stub = types.SimpleNamespace(init=lambda **kw: Run(**kw), util=types.SimpleNamespace(generate_id=lambda: "id42"))
     monkeypatch.setitem(sys.modules, "wandb", stub)
-    train(tiny_config("train.steps=2", "logging.wandb=true", "logging.wandb_project=p", mesh="dp=8"), tmp_path)
+    # first_run's 4 steps: its compiled step serves (tests/conftest.py)
+    train(tiny_config("train.steps=4", "logging.wandb=true", "logging.wandb_project=p", mesh="dp=8"), tmp_path)
     (run,) = runs
-    assert run.init["project"] == "p" and run.init["id"] == "id42" and run.init["config"]["train"]["steps"] == 2
+    assert run.init["project"] == "p" and run.init["id"] == "id42" and run.init["config"]["train"]["steps"] == 4
     assert {s: d["train/loss"] for s, d in run.logged.items()} == {r["step"]: r["loss"] for r in read_metrics(tmp_path) if "loss" in r}
     assert run.exit_code == 0 and _events(tmp_path)[0]["wandb_id"] == "id42"
 
