@@ -72,7 +72,7 @@ def test_pipeline_matches_single_device(layout, overrides, n, single_device, tmp
 BF16_RTOL = 2.0 ** -8
 
 
-# Every schedule feature the fp32 matrix holds, in two steps: 3-D with accumulation (two rounds of
+# Every schedule feature the fp32 matrix holds, in two layouts: 3-D with accumulation (two rounds of
 # the schedule), and fsdp's weights gathered once with the circular schedule (pp=2 x repeats=2)
 BF16_LAYOUTS = [LAYOUTS[2], ("pp=2,fsdp=4", ("pipeline.repeats=2",), 8)]
 
