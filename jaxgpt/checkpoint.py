@@ -322,14 +322,9 @@ class Checkpointer:
         unreadable metadata or arrays) is left to the restore, which skips it."""
         self.manager.reload()
         for step in sorted(self.manager.all_steps(), reverse=True):
-            if not (self.step_path(step) / COMMIT_MARKER).exists():
-                continue
             with held_stderr():  # a damaged step's read noise, as the restore holds it
-                try:
-                    stored = self.manager.item_metadata(step)["state"]
-                except Exception:  # noqa: BLE001 - damage: the restore says so
-                    continue
-            if stored is None:
+                stored, _ = self._stored_state(step)
+            if stored is None:  # damage: the restore says so
                 continue
             if mismatches := _shape_mismatches(abstract, stored):
                 raise UserError(self._mismatch_message(step, mismatches, config))
@@ -377,31 +372,36 @@ class Checkpointer:
                      config: Config | None) -> tuple[Restored | None, str]:
         """(the restored step, "") or (None, why it cannot be read), agreed by every process."""
         path = self.step_path(step)
-        restored, why = None, ""
-        if not (path / COMMIT_MARKER).exists():
-            why = "no commit marker (an interrupted save)"
-        else:
-            with held_stderr() as held:
-                try:
-                    stored = self.manager.item_metadata(step)["state"]
-                except Exception as e:  # noqa: BLE001 - any failure to read means damage
-                    why = f"metadata unreadable ({describe_error(e, path)})"
-                else:
-                    if stored is None:  # Orbax's answer when state/_METADATA is gone
-                        why = "metadata unreadable (no metadata for its state)"
-                    elif mismatches := _shape_mismatches(abstract, stored):
-                        held.release()
-                        raise UserError(self._mismatch_message(step, mismatches, config))
-                    else:
-                        try:
-                            restored = self._restore(step, abstract, params_only)
-                        except Exception as e:  # noqa: BLE001
-                            why = f"unreadable ({describe_error(e, path)})"
-                if restored is not None:
+        restored = None
+        with held_stderr() as held:
+            stored, why = self._stored_state(step)
+            if stored is not None:
+                if mismatches := _shape_mismatches(abstract, stored):
                     held.release()
+                    raise UserError(self._mismatch_message(step, mismatches, config))
+                try:
+                    restored = self._restore(step, abstract, params_only)
+                except Exception as e:  # noqa: BLE001
+                    why = f"unreadable ({describe_error(e, path)})"
+            if restored is not None:
+                held.release()
         if not everyone(restored is not None):
             return None, why or "unreadable on another process"
         return restored, why
+
+    def _stored_state(self, step: int) -> tuple[Any, str]:
+        """(the step's state metadata, "") or (None, why it is damage): no commit marker, or its
+        metadata unreadable. Read under the caller's held_stderr."""
+        path = self.step_path(step)
+        if not (path / COMMIT_MARKER).exists():
+            return None, "no commit marker (an interrupted save)"
+        try:
+            stored = self.manager.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001 - any failure to read means damage
+            return None, f"metadata unreadable ({describe_error(e, path)})"
+        if stored is None:  # Orbax's answer when state/_METADATA is gone
+            return None, "metadata unreadable (no metadata for its state)"
+        return stored, ""
 
     def _restore(self, step: int, abstract: TrainState, params_only: bool) -> Restored:
         path = self.step_path(step)
